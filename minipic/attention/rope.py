@@ -1,0 +1,113 @@
+"""Worker side: RoPE that rotates Q only, and the rope parameters attention needs.
+
+With minipic on, every rotary embedding the model builds is switched to rotate
+the query only; the key reaches the KV cache unrotated and the attention
+backend rotates it by its logical position. The backend finds the rotation
+parameters here (`current_rope()`), as an fp32 cos/sin table so the rotation
+math is fp32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+class UnsupportedRopeError(RuntimeError):
+    """The model's positional encoding cannot be moved into attention."""
+
+
+@dataclasses.dataclass
+class RopeParams:
+    """Everything a position-free attention kernel needs to rotate keys."""
+
+    head_size: int
+    rotary_dim: int
+    is_neox_style: bool
+    cos_sin_fp32: torch.Tensor  # [max_positions, rotary_dim] = cat(cos, sin)
+
+    def cos_sin(self, device: torch.device) -> torch.Tensor:
+        # Moved once per device and kept: a static buffer, safe for CUDA graphs.
+        if self.cos_sin_fp32.device != device:
+            self.cos_sin_fp32 = self.cos_sin_fp32.to(device)
+        return self.cos_sin_fp32
+
+    def same_rotation(self, other: "RopeParams") -> bool:
+        return (
+            (self.head_size, self.rotary_dim, self.is_neox_style)
+            == (other.head_size, other.rotary_dim, other.is_neox_style)
+            and self.cos_sin_fp32.shape == other.cos_sin_fp32.shape
+            and torch.equal(self.cos_sin_fp32, other.cos_sin_fp32.to(self.cos_sin_fp32.device))
+        )
+
+
+_current: RopeParams | None = None
+
+
+def current_rope() -> RopeParams:
+    if _current is None:
+        raise UnsupportedRopeError(
+            "minipic's attention found no rotary embedding in this model: "
+            "position-free KV needs a RoPE model (Llama family)"
+        )
+    return _current
+
+
+def reset_rope() -> None:
+    """Forget the registered rope (a new model is being built in this process)."""
+    global _current
+    _current = None
+
+
+def make_query_only(rope: Any) -> None:
+    """Switch one vLLM rotary embedding instance to rotate Q only and register it."""
+    _refuse_unsupported(rope)
+    params = RopeParams(
+        head_size=rope.head_size,
+        rotary_dim=rope.rotary_dim,
+        is_neox_style=rope.is_neox_style,
+        # Recomputed in fp32: the module's buffer may already be cast to bf16.
+        cos_sin_fp32=rope._compute_cos_sin_cache().to(torch.float32),
+    )
+    _register(params)
+    rotate_both = rope._forward_method
+
+    def rotate_query_only(positions, query, key=None, *args, **kwargs):
+        query, _ = rotate_both(positions, query, None, *args, **kwargs)
+        return query, key
+
+    rope._forward_method = rotate_query_only
+    rope.minipic_query_only = True
+
+
+def _register(params: RopeParams) -> None:
+    global _current
+    if _current is None:
+        _current = params
+    elif not _current.same_rotation(params):
+        raise UnsupportedRopeError(
+            "this model uses more than one rotary embedding (e.g. local and global "
+            "layers with different bases): minipic supports one RoPE per model"
+        )
+
+
+def _refuse_unsupported(rope: Any) -> None:
+    # Only rotations fully described by `cos_sin_cache` and the standard
+    # neox/GPT-J formula can move into attention: any subclass that overrides
+    # the forward math (MRoPE, Phi-3 long/short, dual-chunk, ...) is refused.
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    cls = type(rope)
+    overridden = [
+        name
+        for name in ("forward_native", "forward_cuda", "forward_cpu", "forward_static")
+        if getattr(cls, name, None) is not getattr(RotaryEmbedding, name)
+    ]
+    if not isinstance(rope, RotaryEmbedding) or overridden:
+        raise UnsupportedRopeError(
+            f"minipic cannot use this model's rotary embedding {cls.__name__}: it "
+            f"computes positions its own way ({', '.join(overridden) or 'not a RotaryEmbedding'}), "
+            "so keys cannot be rotated inside attention from logical positions"
+        )

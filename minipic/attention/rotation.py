@@ -1,0 +1,27 @@
+"""Rotating keys by their logical positions, in fp32 (the torch reference math)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+           rotary_dim: int, is_neox_style: bool) -> torch.Tensor:
+    """Apply RoPE to `x` [tokens, heads, head_size] at `positions` [tokens].
+
+    `cos_sin` is [max_positions, rotary_dim] = cat(cos, sin), as in vLLM's
+    `cos_sin_cache`. Dimensions past `rotary_dim` pass through. Returns fp32.
+    """
+    x = x.float()
+    cos, sin = cos_sin.index_select(0, positions).float().chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    if is_neox_style:
+        # neox: the two halves of the rotary dims form the (real, imag) pairs
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        # GPT-J: even/odd interleaved dims form the pairs
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((rotated, x_pass), dim=-1)

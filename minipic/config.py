@@ -1,0 +1,43 @@
+"""The one switch: is minipic on for this vLLM instance, and with which options.
+
+minipic is on when either
+  * `additional_config={"minipic": {...}}` is given (`--additional-config` on
+    the CLI), or
+  * minipic's connector is the `--kv-transfer-config` connector (it implies
+    minipic; its `kv_connector_extra_config` may carry the same options).
+Both live in vLLM's config, which reaches the engine-core and worker processes
+and is part of vLLM's torch.compile cache key, so a graph compiled without
+minipic is never reused with it.
+
+Options (all optional): `ssep_token_id`, `pdep_token_id`, `pad_token_id`
+(default: the tokenizer's reserved special tokens), `enabled` (false turns an
+`additional_config` section off).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+CONFIG_KEY = "minipic"
+CONNECTOR_NAME = "MiniPICConnector"
+
+
+def minipic_options(vllm_config: Any) -> dict[str, Any] | None:
+    """minipic's options for this instance, or None when minipic is off."""
+    options: dict[str, Any] | None = None
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is not None and kv.kv_connector == CONNECTOR_NAME:
+        options = dict(kv.kv_connector_extra_config or {})
+    additional = getattr(vllm_config, "additional_config", None)
+    if isinstance(additional, Mapping) and CONFIG_KEY in additional:
+        section = additional[CONFIG_KEY]
+        if section is not None and not isinstance(section, Mapping):
+            raise ValueError(f"additional_config.{CONFIG_KEY} must be a dict, got {section!r}")
+        options = {**(options or {}), **(section or {})}
+    if options is not None and options.get("enabled", True) is False:
+        return None
+    return options
+
+
+def is_enabled(vllm_config: Any) -> bool:
+    return minipic_options(vllm_config) is not None

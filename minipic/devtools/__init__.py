@@ -1,0 +1,1 @@
+"""Helpers for tests, demos and benchmarks (not used by the serving path)."""

@@ -1,0 +1,107 @@
+"""Engine-core side: block hashes with SSep chain resets and PDep full-context hashes.
+
+For each full block b of a request (tokens x_b, stock extra keys e_b):
+  * x_b starts with SSep: h_b = H(seed, x_b, e_b + salt)        -- chain reset
+  * x_b starts with PDep: h_b = H(H(seed, "pdep", h_0..h_{b-1}), x_b, e_b + salt)
+  * otherwise:            h_b = H(h_{b-1} or seed, x_b, e_b)    -- stock chaining
+The PDep hash commits to every earlier block hash, hence to every earlier token
+and extra key (the paper's fork hashed only the block itself: a false-hit bug).
+`salt` is the request's cache_salt: stock vLLM keys only block 0 with it, which
+a chain reset would drop, so every reset block carries it again.
+
+With no markers this is exactly vLLM's chaining, with the same hash function
+and seed, so hashes equal stock vLLM's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+from minipic.protocol import SpanProtocol
+
+# Hash algorithms whose seed may be fixed: collision resistant, so a public
+# seed is harmless, and deterministic across processes, restarts, machines.
+SUPPORTED_HASH_ALGOS = ("sha256", "sha256_cbor")
+# vLLM >= 0.2x derives NONE_HASH from this seed for cryptographic hashes; 0.25
+# used a random one. minipic pins it on every version so stores can persist.
+DEFAULT_SEED = "vllm-none-hash"
+
+
+class UnsupportedHashAlgoError(ValueError):
+    pass
+
+
+def deterministic_seed(hash_fn: Callable[[Any], bytes]) -> bytes:
+    """The chain seed (vLLM's NONE_HASH), the same in every process."""
+    return hash_fn(os.environ.get("PYTHONHASHSEED", DEFAULT_SEED))
+
+
+def check_hash_algo(name: str) -> None:
+    if name not in SUPPORTED_HASH_ALGOS:
+        raise UnsupportedHashAlgoError(
+            f"minipic needs deterministic block hashes (spans are shared across "
+            f"processes, restarts and replicas); prefix_caching_hash_algo={name!r} is not "
+            f"collision resistant with a public seed. Use one of {SUPPORTED_HASH_ALGOS}."
+        )
+
+
+def _with_salt(extra_keys: tuple | None, salt: str | None) -> tuple | None:
+    if not salt:
+        return extra_keys
+    salt_key = ("cache_salt", salt)
+    if extra_keys and salt_key in extra_keys:
+        return extra_keys
+    return (*(extra_keys or ()), salt_key)
+
+
+class SpanBlockHasher:
+    """Hashes one block given its predecessors; independent of vLLM's Request."""
+
+    def __init__(self, protocol: SpanProtocol, hash_fn: Callable[[Any], bytes],
+                 hash_block_tokens: Callable[..., bytes], seed: bytes):
+        self.protocol = protocol
+        self.hash_fn = hash_fn
+        self.hash_block_tokens = hash_block_tokens
+        self.seed = seed
+
+    def parent_of(self, first_token: int, previous: Sequence[bytes]) -> bytes:
+        if first_token == self.protocol.ssep_token_id:
+            return self.seed
+        if first_token == self.protocol.pdep_token_id:
+            return self.hash_fn((self.seed, "minipic-pdep", tuple(previous)))
+        return previous[-1] if previous else self.seed
+
+    def hash_block(self, tokens: Sequence[int], previous: Sequence[bytes],
+                   extra_keys: tuple | None, cache_salt: str | None) -> bytes:
+        if tokens[0] in self.protocol.markers:
+            extra_keys = _with_salt(extra_keys, cache_salt)
+        parent = self.parent_of(tokens[0], previous)
+        return self.hash_block_tokens(self.hash_fn, parent, tokens, extra_keys)
+
+
+def make_request_block_hasher(protocol: SpanProtocol, hash_block_size: int,
+                              hash_fn: Callable[[Any], bytes]) -> Callable[[Any], list]:
+    """A drop-in for vLLM's `get_request_block_hasher(...)` result."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    seed = deterministic_seed(hash_fn)
+    kcu.NONE_HASH = kcu.BlockHash(seed)  # stock paths (e.g. events) agree with us
+    hasher = SpanBlockHasher(protocol, hash_fn, kcu.hash_block_tokens, seed)
+
+    def request_block_hasher(request: Any) -> list:
+        hashes: list = list(request.block_hashes)
+        first_new = len(hashes)
+        start, mm_idx = first_new * hash_block_size, 0
+        while start + hash_block_size <= request.num_tokens:
+            end = start + hash_block_size
+            # Stock extra keys (LoRA, multimodal, prompt embeds, block-0 salt).
+            # mm_idx restarts at 0 here; vLLM skips ahead only as an optimisation.
+            extra_keys, mm_idx = kcu.generate_block_hash_extra_keys(request, start, end, mm_idx)
+            tokens = request.all_token_ids[start:end]
+            hashes.append(kcu.BlockHash(
+                hasher.hash_block(tokens, hashes, extra_keys, request.cache_salt)))
+            start = end
+        return hashes[first_new:]
+
+    return request_block_hasher
