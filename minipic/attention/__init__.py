@@ -1,0 +1,1 @@
+"""Position-free KV (worker processes): Q-only RoPE, keys rotated inside attention."""

@@ -1,0 +1,21 @@
+"""Worker side: which position-free attention backend serves this platform."""
+
+from __future__ import annotations
+
+
+def position_free_backend() -> type:
+    """minipic's backend for the current platform (stock backends rotate K in the cache)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from minipic.attention.torch_backend import TorchPositionFreeBackend
+
+        return TorchPositionFreeBackend
+    if current_platform.is_cuda():
+        from minipic.attention.triton_backend import MiniPICTritonBackend
+
+        return MiniPICTritonBackend
+    raise RuntimeError(
+        f"minipic has no position-free attention backend for platform "
+        f"{current_platform.device_name!r}: supported are CPU (torch) and CUDA (Triton)"
+    )

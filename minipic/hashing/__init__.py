@@ -1,0 +1,1 @@
+"""SSep/PDep block hashing (engine-core process)."""

@@ -1,0 +1,20 @@
+"""vLLM plugin entry point (`vllm.general_plugins` -> `minipic.plugin:register`).
+
+vLLM calls `register()` in every process it starts (front end, engine core,
+workers). It only installs pass-through patches; minipic acts solely for
+instances whose config switches it on (see `minipic.config`).
+"""
+
+from __future__ import annotations
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from minipic import _vllm_patches
+
+    _vllm_patches.apply_all()
+    _registered = True

@@ -1,0 +1,58 @@
+"""Start-up refusal: configurations minipic would get silently wrong.
+
+Checked in the engine-core process before workers start, so a bad config fails
+fast with a message naming the model feature. Workers check the rotary
+embedding itself (`minipic.attention.rope`), which catches what config fields
+cannot show.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Fusions that apply RoPE to K inside another kernel, bypassing minipic's
+# Q-only rotation (vLLM compilation pass-config names).
+_ROPE_FUSIONS = ("enable_qk_norm_rope_fusion", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")
+
+
+class UnsupportedModelError(ValueError):
+    """minipic cannot serve this model/config correctly."""
+
+
+def model_problems(vllm_config: Any) -> list[str]:
+    """Reasons (empty when supported) why positional-free KV would be wrong here."""
+    mc = vllm_config.model_config
+    text = mc.hf_text_config
+    checks = {
+        "multi-head latent attention (MLA): its keys are compressed and partly "
+        "position-free already, minipic only handles per-head RoPE": mc.use_mla,
+        "multimodal RoPE (M-RoPE): positions are 3-D, not a token index": mc.uses_mrope,
+        "sliding-window attention: a span's keys would fall out of the window "
+        "depending on where it is placed": mc.get_sliding_window() is not None
+        or bool(getattr(text, "layer_types", None) and "sliding_attention" in text.layer_types),
+        "chunked local attention": bool(getattr(text, "attention_chunk_size", None)),
+        "dual-chunk attention": bool(getattr(text, "dual_chunk_attention_config", None)),
+        "encoder-decoder models": mc.is_encoder_decoder,
+        "hybrid attention/state-space models: their state is not positional KV": mc.is_hybrid,
+        f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}: only 'auto' is "
+        "supported": vllm_config.cache_config.cache_dtype != "auto",
+        "speculative decoding: the draft model is not checked for RoPE": vllm_config.speculative_config
+        is not None,
+    }
+    problems = [reason for reason, present in checks.items() if present]
+    pass_config = vllm_config.compilation_config.pass_config
+    problems += [
+        f"compilation pass {name}: it fuses RoPE into K, minipic needs K unrotated; turn it off"
+        for name in _ROPE_FUSIONS if getattr(pass_config, name, False)
+    ]
+    return problems
+
+
+def check_supported(vllm_config: Any) -> None:
+    problems = model_problems(vllm_config)
+    if problems:
+        mc = vllm_config.model_config
+        raise UnsupportedModelError(
+            f"minipic cannot serve {mc.model} ({', '.join(mc.architectures)}): "
+            + "; ".join(problems)
+        )
