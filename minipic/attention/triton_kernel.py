@@ -211,7 +211,7 @@ def minipic_attention_kernel(
             sin = tl.load(cs + ROT_HALF, mask=kr_mask, other=0.0)
             k1, k2 = _rotate_pair(k1, k2, cos, sin, q1.dtype)
         elif ROPE_MODE == 2:
-            row = cos_sin_ptr + (j * TILE_SIZE).to(tl.int64) * cos_sin_stride + offs_r
+            row = cos_sin_ptr + (j * TILE_SIZE) * cos_sin_stride + offs_r
             cos_0 = tl.load(row, mask=r_mask, other=0.0) * inv_a
             sin_0 = tl.load(row + ROT_HALF, mask=r_mask, other=0.0) * inv_a
             cos = cos_0[:, None] * cos_t - sin_0[:, None] * sin_t
@@ -253,7 +253,8 @@ def minipic_attention_kernel(
         tl.store(segm_max_ptr + segm_row, M, mask=row_mask)
         tl.store(segm_expsum_ptr + segm_row, L, mask=row_mask)
     else:
-        out = acc / L[:, None]
+        # Padding rows never saw a key (L = 0); they are not stored, keep them finite.
+        out = acc / tl.where(L > 0.0, L, 1.0)[:, None]
         out_rows = token * out_stride_0 + head * out_stride_1
         tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & d_mask[None, :])

@@ -1,0 +1,153 @@
+"""A random paged-attention problem in vLLM's Triton layout, and its torch reference.
+
+Shared by the kernel tests (interpreter and GPU) and `tools/bench_kernel.py`.
+K is stored unrotated, as minipic keeps it; `rotated_k_cache()` gives the same
+cache with every key rotated by its logical position, which is what stock
+vLLM would hold, so stock kernels can be run on the same problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from minipic.attention.rotation import rotate
+
+
+@dataclasses.dataclass
+class PagedCase:
+    q: torch.Tensor  # [tokens, q_heads, head_size], rotated
+    k_cache: torch.Tensor  # [blocks, block_size, kv_heads, head_size], unrotated
+    v_cache: torch.Tensor
+    block_table: torch.Tensor  # [seqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [seqs + 1] int32
+    seq_lens: torch.Tensor  # [seqs] int32
+    query_lens: list[int]
+    context_lens: list[int]
+    cos_sin: torch.Tensor  # [max_positions, rotary_dim] fp32
+    rotary_dim: int
+    is_neox: bool
+    scale: float
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(q + c for q, c in zip(self.query_lens, self.context_lens))
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    def key_positions(self) -> torch.Tensor:
+        """Logical position of every cache slot (-1 where no request owns it)."""
+        blocks, bs = self.k_cache.shape[:2]
+        pos = torch.full((blocks, bs), -1, dtype=torch.long, device=self.k_cache.device)
+        slots = torch.arange(bs, device=pos.device)
+        for i, seq_len in enumerate(self.seq_lens.tolist()):
+            used = -(-seq_len // bs)
+            pos[self.block_table[i, :used].long()] = (
+                torch.arange(used, device=pos.device)[:, None] * bs + slots)
+        return pos
+
+    def rotated_k_cache(self) -> torch.Tensor:
+        """The cache stock vLLM would hold: keys rotated by their positions, unowned slots as is."""
+        blocks, bs, heads, dim = self.k_cache.shape
+        pos = self.key_positions().flatten()
+        flat = self.k_cache.reshape(blocks * bs, heads, dim).clone()
+        owned = pos >= 0
+        flat[owned] = rotate(flat[owned], pos[owned], self.cos_sin, self.rotary_dim,
+                             self.is_neox).to(flat.dtype)
+        return flat.reshape(blocks, bs, heads, dim)
+
+
+def rope_table(rotary_dim: int, max_positions: int, base: float = 10000.0,
+               mscale: float = 1.0, device: str | torch.device = "cpu") -> torch.Tensor:
+    """vLLM's cos_sin_cache formula in fp32: cat(cos, sin) of position x inv_freq."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * mscale).to(device)
+
+
+def make_case(query_lens: list[int], context_lens: list[int], *, num_q_heads: int,
+              num_kv_heads: int, head_size: int, rotary_dim: int | None = None,
+              is_neox: bool = True, dtype: torch.dtype = torch.float16,
+              device: str | torch.device = "cpu", block_size: int = 16,
+              spare_blocks: int = 3, mscale: float = 1.0, seed: int = 0) -> PagedCase:
+    """Requests with `context_lens` cached keys then `query_lens` new tokens each.
+
+    Blocks are assigned in random order; unowned slots hold NaN so a kernel that
+    reads past a request's keys shows it.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rotary_dim = head_size if rotary_dim is None else rotary_dim
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    per_seq = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(per_seq)
+    num_blocks = sum(per_seq) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    taken = 0
+    for i, n in enumerate(per_seq):
+        block_table[i, :n] = order[taken:taken + n].to(torch.int32)
+        taken += n
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    k_cache, v_cache = randn(*shape), randn(*shape)
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for i, s in enumerate(seq_lens):
+        rows = block_table[i, : per_seq[i]].long()
+        owned[rows] = (torch.arange(per_seq[i])[:, None] * block_size
+                       + torch.arange(block_size)) < s
+    k_cache[~owned] = float("nan")
+    v_cache[~owned] = float("nan")
+
+    cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    max_pos = max(seq_lens) + 64
+    return PagedCase(
+        q=randn(int(cu[-1]), num_q_heads, head_size).to(device),
+        k_cache=k_cache.to(device), v_cache=v_cache.to(device),
+        block_table=block_table.to(device), cu_seqlens_q=cu.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_lens=list(query_lens), context_lens=list(context_lens),
+        cos_sin=rope_table(rotary_dim, max_pos, mscale=mscale, device=device),
+        rotary_dim=rotary_dim, is_neox=is_neox, scale=head_size ** -0.5,
+    )
+
+
+def reference_attention(case: PagedCase) -> torch.Tensor:
+    """Rotate each request's keys by position, then causal attention, in fp32/fp64 torch."""
+    bs = case.block_size
+    num_q_heads = case.q.shape[1]
+    out = torch.empty(case.q.shape, dtype=torch.float64, device=case.q.device)
+    starts = case.cu_seqlens_q.tolist()
+    for i, (q_len, ctx) in enumerate(zip(case.query_lens, case.context_lens)):
+        seq_len = q_len + ctx
+        blocks = case.block_table[i, : -(-seq_len // bs)].long()
+        k = case.k_cache[blocks].flatten(0, 1)[:seq_len]
+        v = case.v_cache[blocks].flatten(0, 1)[:seq_len].double()
+        pos = torch.arange(seq_len, device=k.device)
+        k = rotate(k, pos, case.cos_sin, case.rotary_dim, case.is_neox).double()
+        group = num_q_heads // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        q = case.q[starts[i]: starts[i + 1]].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
+        visible = pos[None, :] <= (ctx + torch.arange(q_len, device=k.device))[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64; NaN anywhere gives inf."""
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm())

@@ -1,0 +1,105 @@
+"""minipic's Triton attention kernel under the Triton interpreter (CPU CI).
+
+The interpreter is chosen when a kernel is decorated, so the cases run in a
+child process that sets TRITON_INTERPRET=1 before anything imports triton
+(vLLM, imported by other tests, imports triton too). The child runs every case
+once and prints one JSON line of relative errors; each test checks its case.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> (make_case kwargs, launch options). Tiny shapes: the interpreter runs
+# every program in numpy. Block size 16 as vLLM requires; tiles of 16 keys.
+CASES = {
+    "prefill_neox_fp16": (dict(query_lens=[9], context_lens=[0], num_q_heads=4, num_kv_heads=2,
+                               head_size=64), {}),
+    "mixed_prefix_gqa_fp16": (dict(query_lens=[1, 7, 20], context_lens=[20, 13, 0],
+                                   num_q_heads=4, num_kv_heads=2, head_size=64), {}),
+    "mqa_gptj_partial_fp32": (dict(query_lens=[5, 3], context_lens=[30, 2], num_q_heads=4,
+                                   num_kv_heads=1, head_size=32, rotary_dim=16, is_neox=False,
+                                   dtype="float32"), {}),
+    "head80_neox_fp16": (dict(query_lens=[6, 1], context_lens=[11, 17], num_q_heads=2,
+                              num_kv_heads=2, head_size=80), {}),
+    "group3_fp32": (dict(query_lens=[4, 2], context_lens=[3, 14], num_q_heads=6, num_kv_heads=2,
+                         head_size=32, dtype="float32"), {}),
+    "decode_split_kv_fp16": (dict(query_lens=[1, 1, 1], context_lens=[40, 5, 70], num_q_heads=4,
+                                  num_kv_heads=2, head_size=64), {"split_kv": True}),
+    "angle_add_mscale_fp32": (dict(query_lens=[3, 1], context_lens=[37, 50], num_q_heads=2,
+                                   num_kv_heads=1, head_size=32, mscale=1.25, dtype="float32"),
+                              {"rope_mode": "ROPE_ANGLE_ADD"}),
+    "prefill_config_fp16": (dict(query_lens=[18], context_lens=[5], num_q_heads=2, num_kv_heads=1,
+                                 head_size=32), {"config": "PREFILL_SMALL"}),
+}
+TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
+
+
+def _run_case(name: str) -> float:
+    """Child process: run one case through the kernel, return its relative error."""
+    import torch
+
+    from minipic.attention import triton_kernel as tk
+    from minipic.devtools.paged_attention_case import make_case, reference_attention, relative_error
+
+    kwargs, opts = CASES[name]
+    kwargs = dict(kwargs, dtype=getattr(torch, kwargs.get("dtype", "float16")))
+    case = make_case(**kwargs, seed=len(name))
+    out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
+    config = {
+        None: None,
+        "PREFILL_SMALL": tk.LaunchConfig(block_m=32, tile_size=16),
+    }[opts.get("config")]
+    if "rope_mode" in opts:
+        config = tk.LaunchConfig(block_m=16, tile_size=16, rope_mode=getattr(tk, opts["rope_mode"]))
+    segm = {}
+    if opts.get("split_kv"):
+        buffers = tk.segment_buffers(case.q.shape[0], case.q.shape[1], case.q.shape[2], "cpu")
+        segm = dict(zip(("segm_output", "segm_max", "segm_expsum"), buffers),
+                    seq_threshold_3d=8)
+    tk.unified_attention_rope(
+        case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
+        seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
+        softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
+        is_neox_style=case.is_neox, config=config, **segm)
+    return relative_error(out, reference_attention(case))
+
+
+@pytest.fixture(scope="module")
+def interpreter_errors() -> dict[str, float]:
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_matches_reference(interpreter_errors, name):
+    dtype = CASES[name][0].get("dtype", "float16")
+    err = interpreter_errors[name]
+    assert isinstance(err, float), err  # the child reports an exception as text
+    assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
+    results: dict[str, float | str] = {}
+    for case_name in CASES:
+        try:
+            results[case_name] = _run_case(case_name)
+        except Exception as exc:  # report, so the other cases still run
+            results[case_name] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(results))
