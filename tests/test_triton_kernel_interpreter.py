@@ -42,6 +42,8 @@ CASES = {
                                  head_size=32), {"config": "PREFILL_SMALL"}),
 }
 TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
+# Through MiniPICTritonImpl.forward, with the KV cache in each vLLM layout.
+BACKEND_CASES = ("backend_forward_5d_cache", "backend_forward_4d_cache")
 
 
 def _run_case(name: str) -> float:
@@ -74,6 +76,45 @@ def _run_case(name: str) -> float:
     return relative_error(out, reference_attention(case))
 
 
+def _run_backend_forward(name: str) -> float | str:
+    """Child process: the backend's forward on vLLM-shaped inputs (needs vLLM importable)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        return "skipped: vllm is not installed"
+    from minipic.attention import triton_backend as tb
+    from minipic.attention import triton_kernel as tk
+    from minipic.attention.rope import RopeParams
+    from minipic.devtools.paged_attention_case import make_case, reference_attention, relative_error
+
+    case = make_case([1, 6, 3], [33, 10, 0], num_q_heads=4, num_kv_heads=2, head_size=64,
+                     seed=7)
+    tb.current_rope = lambda: RopeParams(head_size=64, rotary_dim=case.rotary_dim,
+                                         is_neox_style=case.is_neox, cos_sin_fp32=case.cos_sin)
+    blocks, bs, heads, dim = case.k_cache.shape
+    if name == "backend_forward_5d_cache":  # vLLM 0.25: [blocks, 2, block_size, heads, dim]
+        kv_cache = torch.stack((case.k_cache, case.v_cache), dim=1)
+    else:  # later: [blocks, heads, block_size, 2 * dim]
+        kv_cache = torch.cat((case.k_cache, case.v_cache), dim=-1).transpose(1, 2).contiguous()
+    k_view, v_view = tb.split_kv_cache(kv_cache, dim)
+    assert torch.equal(k_view.nan_to_num(), case.k_cache.nan_to_num())
+    assert torch.equal(v_view.nan_to_num(), case.v_cache.nan_to_num())
+    segm = tk.segment_buffers(8, 4, 64, "cpu")
+    md = SimpleNamespace(
+        num_actual_tokens=case.q.shape[0], query_start_loc=case.cu_seqlens_q,
+        seq_lens=case.seq_lens, max_query_len=case.max_seqlen_q, block_table=case.block_table,
+        causal=True, mm_prefix_range_tensor=None, seq_threshold_3D=8,
+        softmax_segm_output=segm[0], softmax_segm_max=segm[1], softmax_segm_expsum=segm[2])
+    impl = tb.MiniPICTritonImpl(num_heads=4, head_size=64, scale=case.scale, num_kv_heads=2,
+                                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    out = torch.full_like(case.q, float("nan"))
+    impl.forward(None, case.q, None, None, kv_cache, md, out)
+    return relative_error(out, reference_attention(case))
+
+
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, float]:
     if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
@@ -94,6 +135,15 @@ def test_kernel_matches_reference(interpreter_errors, name):
     assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("name", BACKEND_CASES)
+def test_backend_forward_matches_reference(interpreter_errors, name):
+    err = interpreter_errors[name]
+    if isinstance(err, str) and err.startswith("skipped"):
+        pytest.skip(err)
+    assert isinstance(err, float), err
+    assert err < TOLERANCE["float16"], f"{name}: relative error {err:.2e}"
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
     results: dict[str, float | str] = {}
@@ -101,5 +151,10 @@ if __name__ == "__main__":
         try:
             results[case_name] = _run_case(case_name)
         except Exception as exc:  # report, so the other cases still run
+            results[case_name] = f"{type(exc).__name__}: {exc}"
+    for case_name in BACKEND_CASES:
+        try:
+            results[case_name] = _run_backend_forward(case_name)
+        except Exception as exc:
             results[case_name] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(results))

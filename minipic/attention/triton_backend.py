@@ -1,0 +1,167 @@
+"""Worker side: minipic's position-free attention backend for CUDA (Triton).
+
+It is vLLM's Triton backend with one change: attention rotates K per tile by
+the keys' logical positions (`triton_kernel.unified_attention_rope`), because
+minipic's Q-only RoPE leaves K unrotated in the cache. Everything else is
+inherited, so it follows the installed vLLM: the KV cache shape and layout,
+the KV cache write (which stores whatever K it is given, here unrotated), and
+the metadata builder with its static split-KV buffers (CUDA-graph safe).
+
+Registered as `AttentionBackendEnum.CUSTOM`; minipic's attention-selector
+patch returns it whenever minipic is on, so users never pick it by hand.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+from minipic.attention.rope import current_rope
+from minipic.attention.triton_kernel import check_rope, unified_attention_rope
+
+# Quantised caches would need dequantisation before the rotation: not implemented.
+_SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+
+
+class UnsupportedAttentionError(NotImplementedError):
+    """A layer feature minipic's Triton attention does not implement."""
+
+
+class MiniPICTritonBackend(TritonAttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(_SUPPORTED_KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # the registry slot minipic registers this class under
+
+    @staticmethod
+    def get_impl_cls() -> type["MiniPICTritonImpl"]:
+        return MiniPICTritonImpl
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_alibi_sqrt(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_rswa(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False  # the launch shape depends on the batch's longest query
+
+
+class MiniPICTritonImpl(TritonAttentionImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self)
+        # The layer must not hand us fp8 queries or expect fused output quantisation.
+        self.supports_quant_query_input = False
+        self._cos_sin: torch.Tensor | None = None
+
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        return False
+
+    def fused_rope_kvcache_supported(self) -> bool:
+        return False  # a RoPE+cache fusion would store rotated K
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        # Model built: its rotary embedding is registered. Move the table now,
+        # before any CUDA graph capture, and fail at load time, not mid-serving.
+        super().process_weights_after_loading(act_dtype)
+        if torch.cuda.is_available():
+            self._rope_table(torch.device("cuda", torch.cuda.current_device()))
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise UnsupportedAttentionError("minipic's attention has no fused output quantization")
+        if attn_metadata is None:
+            return output.fill_(0)  # profiling run
+        # Runs eagerly between graph pieces: host work is attribute reads and views only.
+        md = attn_metadata
+        if md.causal is not True or getattr(md, "mm_prefix_range_tensor", None) is not None:
+            raise UnsupportedAttentionError(
+                "minipic's attention is causal decoder attention only (no per-request "
+                "causality, no multimodal bidirectional ranges)")
+        n = md.num_actual_tokens
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        rope = current_rope()
+        unified_attention_rope(
+            query[:n], key_cache, value_cache, output[:n],
+            cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens,
+            max_seqlen_q=md.max_query_len, block_table=md.block_table,
+            softmax_scale=self.scale, cos_sin=self._rope_table(query.device),
+            rotary_dim=rope.rotary_dim, is_neox_style=rope.is_neox_style,
+            segm_output=md.softmax_segm_output, segm_max=md.softmax_segm_max,
+            segm_expsum=md.softmax_segm_expsum, seq_threshold_3d=md.seq_threshold_3D,
+        )
+        return output
+
+    def _rope_table(self, device: torch.device) -> torch.Tensor:
+        """The model's fp32 cos/sin table on `device`, checked and moved once."""
+        if self._cos_sin is None or self._cos_sin.device != device:
+            rope = current_rope()
+            if rope.head_size != self.head_size:
+                raise UnsupportedAttentionError(
+                    f"rotary head size {rope.head_size} != attention head size {self.head_size}")
+            table = rope.cos_sin(device)
+            check_rope(self.head_size, rope.rotary_dim, table)
+            self._cos_sin = table
+        return self._cos_sin
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views [blocks, block_size, kv_heads, head_size] of the layer's cache.
+
+    vLLM 0.25 keeps [blocks, 2, block_size, kv_heads, head_size]; later releases
+    [blocks, kv_heads, block_size, 2 * head_size]. Views only: no copies.
+    """
+    if kv_cache.dim() == 5:
+        return kv_cache.unbind(1)
+    return kv_cache.transpose(1, 2).split(head_size, dim=-1)
+
+
+def _refuse_unsupported(impl: MiniPICTritonImpl) -> None:
+    problems = {
+        f"kv_cache_dtype={impl.kv_cache_dtype!r} (fp8/int8/int4 caches are not supported: "
+        f"use one of {', '.join(_SUPPORTED_KV_CACHE_DTYPES)})":
+            impl.kv_cache_dtype not in _SUPPORTED_KV_CACHE_DTYPES,
+        "ALiBi slopes": impl.alibi_slopes is not None,
+        "sliding-window attention": tuple(impl.sliding_window) != (-1, -1),
+        "chunked local attention": getattr(impl, "chunk_lookback", -1) != -1,
+        "logits soft-capping": bool(impl.logits_soft_cap),
+        "attention sinks": impl.sinks is not None,
+        f"attention type {impl.attn_type!r} (only decoder self-attention)":
+            impl.attn_type != AttentionType.DECODER,
+    }
+    found = [name for name, present in problems.items() if present]
+    if found:
+        raise UnsupportedAttentionError(
+            "minipic's position-free Triton attention does not support " + "; ".join(found))
