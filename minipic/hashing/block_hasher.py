@@ -9,13 +9,13 @@ and extra key (the paper's fork hashed only the block itself: a false-hit bug).
 `salt` is the request's cache_salt: stock vLLM keys only block 0 with it, which
 a chain reset would drop, so every reset block carries it again.
 
-With no markers this is exactly vLLM's chaining, with the same hash function
-and seed, so hashes equal stock vLLM's.
+With no markers this is exactly vLLM's chaining with the same hash function
+and seed, so hashes equal stock vLLM 0.32's (with PYTHONHASHSEED unset; minipic
+pins the seed on every version and ignores PYTHONHASHSEED).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 from minipic.protocol import SpanProtocol
@@ -23,9 +23,10 @@ from minipic.protocol import SpanProtocol
 # Hash algorithms whose seed may be fixed: collision resistant, so a public
 # seed is harmless, and deterministic across processes, restarts, machines.
 SUPPORTED_HASH_ALGOS = ("sha256", "sha256_cbor")
-# vLLM >= 0.2x derives NONE_HASH from this seed for cryptographic hashes; 0.25
-# used a random one. minipic pins it on every version so stores can persist.
-DEFAULT_SEED = "vllm-none-hash"
+# vLLM 0.32 derives NONE_HASH from this seed for cryptographic hashes unless
+# PYTHONHASHSEED is set; 0.25 used a random one. minipic always uses it, so
+# stores persist and replicas agree whatever PYTHONHASHSEED each process has.
+SEED = "vllm-none-hash"
 
 
 class UnsupportedHashAlgoError(ValueError):
@@ -34,7 +35,7 @@ class UnsupportedHashAlgoError(ValueError):
 
 def deterministic_seed(hash_fn: Callable[[Any], bytes]) -> bytes:
     """The chain seed (vLLM's NONE_HASH), the same in every process."""
-    return hash_fn(os.environ.get("PYTHONHASHSEED", DEFAULT_SEED))
+    return hash_fn(SEED)
 
 
 def check_hash_algo(name: str) -> None:

@@ -1,0 +1,130 @@
+"""The torch position-free backend equals attention over keys rotated by vLLM's own RoPE.
+
+The reference rotates Q and K with vLLM's stock `forward_static` (cache-time
+rotation, as stock vLLM does); minipic's backend gets Q rotated and K
+unrotated in the paged cache, and must produce the same output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+BLOCK_SIZE = 32
+NUM_BLOCKS = 16
+# (cached prefix length, new query tokens) per request: prefill, decode, chunked prefill
+MIXED_BATCH = [(0, 40), (70, 1), (33, 17), (0, 1)]
+
+
+@pytest.fixture(autouse=True)
+def vllm_config_context():
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+def make_rope(kind: str, head_size: int, rotary_dim: int, is_neox: bool):
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
+
+    args = (head_size, rotary_dim, 4096, 10000.0, is_neox, torch.float32)
+    if kind == "llama3":
+        return Llama3RotaryEmbedding(*args, scaling_factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, orig_max_position=64)
+    return RotaryEmbedding(*args)
+
+
+def stock_rotate(rope, positions, x):
+    """vLLM's own rotation of x [tokens, heads, head_size]."""
+    n, h, d = x.shape
+    out, _ = type(rope).forward_static(positions, x.reshape(n, h * d).clone(), None, d,
+                                       rope.rotary_dim, rope.cos_sin_cache, rope.is_neox_style)
+    return out.view(n, h, d)
+
+
+def reference_attention(q_rot, k_rot, v, scale, prefix_len):
+    group = q_rot.shape[1] // k_rot.shape[1]
+    k_rot, v = k_rot.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    t, s = q_rot.shape[0], k_rot.shape[0]
+    mask = torch.arange(s)[None, :] <= (prefix_len + torch.arange(t))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q_rot.transpose(0, 1), k_rot.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("head_size", [64, 80])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5], ids=["full", "partial"])
+@pytest.mark.parametrize("rope_kind", ["default", "llama3"])
+def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_kind):
+    from minipic.attention import rope as rope_registry
+    from minipic.attention.torch_backend import TorchPositionFreeImpl, TorchPositionFreeMetadata
+
+    torch.manual_seed(0)
+    num_heads, num_kv_heads = 8, 2
+    rotary_dim = int(head_size * rotary_fraction)
+    rope = make_rope(rope_kind, head_size, rotary_dim, is_neox)
+    rope_registry.reset_rope()
+    rope_registry.make_query_only(rope)
+    impl = TorchPositionFreeImpl(num_heads, head_size, head_size**-0.5, num_kv_heads,
+                                 None, None, "auto")
+    kv_cache = torch.zeros(NUM_BLOCKS, num_kv_heads, BLOCK_SIZE, 2 * head_size)
+    # Each request owns scattered, non-contiguous blocks.
+    block_table = torch.randperm(NUM_BLOCKS).view(len(MIXED_BATCH), -1)
+
+    queries, expected, query_start_loc = [], [], [0]
+    for i, (prefix, new) in enumerate(MIXED_BATCH):
+        seq_len = prefix + new
+        k = torch.randn(seq_len, num_kv_heads, head_size)
+        v = torch.randn(seq_len, num_kv_heads, head_size)
+        q = torch.randn(new, num_heads, head_size)
+        slots = block_table[i, torch.arange(seq_len) // BLOCK_SIZE] * BLOCK_SIZE + torch.arange(seq_len) % BLOCK_SIZE
+        impl.do_kv_cache_update(None, k, v, kv_cache, slots)  # K unrotated
+        q_rot = stock_rotate(rope, torch.arange(prefix, seq_len), q)
+        k_rot = stock_rotate(rope, torch.arange(seq_len), k)
+        queries.append(q_rot)
+        expected.append(reference_attention(q_rot, k_rot, v, impl.scale, prefix))
+        query_start_loc.append(query_start_loc[-1] + new)
+
+    query = torch.cat(queries)
+    output = torch.empty_like(query)
+    metadata = TorchPositionFreeMetadata(
+        num_actual_tokens=query.shape[0], query_start_loc=query_start_loc,
+        seq_lens=[p + n for p, n in MIXED_BATCH], block_table=block_table)
+    impl.forward(None, query, None, None, kv_cache, metadata, output)
+    torch.testing.assert_close(output, torch.cat(expected), atol=2e-5, rtol=1e-4)
+
+
+def test_k_in_cache_is_unrotated():
+    """A rotated K would differ from the raw key at any position > 0."""
+    from minipic.attention.torch_backend import TorchPositionFreeImpl, gather_request_kv
+
+    impl = TorchPositionFreeImpl(2, 64, 0.125, 1, None, None, "auto")
+    kv_cache = torch.zeros(2, 1, BLOCK_SIZE, 128)
+    k, v = torch.randn(40, 1, 64), torch.randn(40, 1, 64)
+    slots = torch.arange(40)
+    impl.do_kv_cache_update(None, k, v, kv_cache, slots)
+    k_read, v_read = gather_request_kv(kv_cache, torch.tensor([0, 1]), 40, 64)
+    assert torch.equal(k_read, k) and torch.equal(v_read, v)
+
+
+@pytest.mark.parametrize("feature", ["alibi", "sliding_window", "fp8"])
+def test_refuses_unsupported_layer_features(feature):
+    from minipic.attention.torch_backend import TorchPositionFreeImpl, UnsupportedAttentionError
+
+    kwargs = dict(alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    kwargs.update({"alibi": {"alibi_slopes": [0.5, 0.25]}, "sliding_window": {"sliding_window": 128},
+                   "fp8": {"kv_cache_dtype": "fp8"}}[feature])
+    with pytest.raises(UnsupportedAttentionError, match="does not support"):
+        TorchPositionFreeImpl(2, 64, 0.125, 1, **kwargs)
+
+
+def test_refuses_rope_with_its_own_position_math():
+    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+
+    from minipic.attention.rope import UnsupportedRopeError, make_query_only
+
+    mrope = MRotaryEmbedding(64, 64, 4096, 10000.0, True, torch.float32, mrope_section=[16, 8, 8])
+    with pytest.raises(UnsupportedRopeError, match="MRotaryEmbedding"):
+        make_query_only(mrope)
