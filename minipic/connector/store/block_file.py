@@ -36,7 +36,12 @@ NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACC
 
 
 class BlockRejected(Exception):
-    """A block file exists but must not be loaded (reason in the message)."""
+    """A block file exists but must not be loaded (reason in the message).
+
+    `inode` names the rejected file, so the caller removes exactly that one
+    and not a good copy another replica has renamed into place meanwhile."""
+
+    inode: int | None = None
 
 
 def payload_digest(payload) -> bytes:
@@ -96,34 +101,41 @@ def write_block(path: str, namespace: bytes, key: bytes, payload, flags: int = 0
         raise
 
 
-def read_block_into(path: str, namespace: bytes, key: bytes, dest: memoryview) -> int:
+def read_block_into(path: str, namespace: bytes, key: bytes, dest: memoryview) -> None:
     """Fill `dest` (exactly one block) from `path` after verifying it.
 
-    Returns the file's inode (to remove exactly this file if it is bad).
-    Raises FileNotFoundError if the block is gone (evicted), BlockRejected if
-    it is not a valid block for (namespace, key, len(dest)).
+    Raises FileNotFoundError if the block is gone (evicted), BlockRejected
+    (with the file's inode) if it is not a valid block for (namespace, key,
+    len(dest)); `dest` then holds garbage that the caller must not use.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
         st = os.fstat(fd)
-        if st.st_size != HEADER_LEN + len(dest):
-            raise BlockRejected(f"size {st.st_size}, expected {HEADER_LEN + len(dest)}")
-        header = bytearray(HEADER_LEN)
-        got = os.readv(fd, [header, dest])
-        if got != HEADER_LEN + len(dest):
-            raise BlockRejected(f"short read: {got} bytes")
-        fields = decode_header(bytes(header))
-        if fields["namespace"] != namespace:
-            raise BlockRejected("written by another configuration (namespace mismatch)")
-        if fields["key"] != key:
-            raise BlockRejected("holds another block (key mismatch)")
-        if fields["payload_len"] != len(dest):
-            raise BlockRejected("payload length mismatch")
-        if payload_digest(dest) != fields["digest"]:
-            raise BlockRejected("payload checksum mismatch")
-        return st.st_ino
+        try:
+            if st.st_size != HEADER_LEN + len(dest):
+                raise BlockRejected(f"size {st.st_size}, expected {HEADER_LEN + len(dest)}")
+            _read_verified(fd, namespace, key, dest)
+        except BlockRejected as e:
+            e.inode = st.st_ino
+            raise
     finally:
         os.close(fd)
+
+
+def _read_verified(fd: int, namespace: bytes, key: bytes, dest: memoryview) -> None:
+    header = bytearray(HEADER_LEN)
+    got = os.readv(fd, [header, dest])
+    if got != HEADER_LEN + len(dest):
+        raise BlockRejected(f"short read: {got} bytes")
+    fields = decode_header(bytes(header))
+    if fields["namespace"] != namespace:
+        raise BlockRejected("written by another configuration (namespace mismatch)")
+    if fields["key"] != key:
+        raise BlockRejected("holds another block (key mismatch)")
+    if fields["payload_len"] != len(dest):
+        raise BlockRejected("payload length mismatch")
+    if payload_digest(dest) != fields["digest"]:
+        raise BlockRejected("payload checksum mismatch")
 
 
 def read_header(path: str) -> dict:

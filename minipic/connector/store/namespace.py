@@ -58,8 +58,9 @@ class StoreNamespace:
 
 def namespace_fields(*, model: str, model_fingerprint: str, dtype: str, block_size: int,
                      kv_layout: Mapping[str, Any], hash_algo: str,
-                     span_protocol: Mapping[str, int], payload_bytes: int) -> dict[str, Any]:
-    """Everything that changes the meaning of a stored block's bytes."""
+                     span_protocol: Mapping[str, int]) -> dict[str, Any]:
+    """Everything that changes the meaning of a stored block's bytes (the disk
+    tier adds `payload_bytes`, the size of one stored row, when it opens)."""
     return {
         "format": STORE_FORMAT,
         "format_version": FORMAT_VERSION,
@@ -71,7 +72,6 @@ def namespace_fields(*, model: str, model_fingerprint: str, dtype: str, block_si
         "kv_layout": dict(kv_layout),
         "hash_algo": hash_algo,
         "span_protocol": dict(span_protocol),
-        "payload_bytes": payload_bytes,
     }
 
 

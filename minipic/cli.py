@@ -1,0 +1,127 @@
+"""`minipic` command line: inspect and maintain span stores.
+
+    minipic store stats DIR [--json]        spans, blocks, bytes, hits per namespace
+    minipic store verify DIR [--remove]     check every block file (header + checksum)
+    minipic store evict DIR --max-bytes N   remove least recently used blocks down to N
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Sequence
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from minipic.connector.store.stats import NotAStore, scan_store
+
+    try:
+        namespaces = scan_store(args.dir)
+    except NotAStore as e:
+        print(f"minipic: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([dataclasses.asdict(ns) for ns in namespaces], indent=2, default=str))
+        return 0
+    print(f"store {args.dir}: {len(namespaces)} namespace(s)")
+    for ns in namespaces:
+        fields = ns.fields or {}
+        c = ns.counters
+        print(f"\n{ns.path}")
+        print(f"  model      {fields.get('model', '?')}  dtype {fields.get('dtype', '?')}  "
+              f"block_size {fields.get('block_size', '?')}  "
+              f"device {fields.get('kv_layout', {}).get('device', '?')}")
+        print(f"  spans      {ns.spans}")
+        print(f"  blocks     {ns.blocks}" + (f"  ({ns.unreadable} unreadable)" if ns.unreadable else ""))
+        print(f"  bytes      {ns.bytes} ({_human(ns.bytes)})")
+        print(f"  hits       {c['hit_blocks']} blocks loaded from disk ({_human(c['hit_bytes'])})")
+        print(f"  writes     {c['stored_blocks']} stored, {c['duplicate_blocks']} already present, "
+              f"{c['store_failures']} failed")
+        print(f"  rejected   {c['rejected_blocks']} bad files skipped")
+        print(f"  evicted    {c['evicted_blocks']} blocks ({_human(c['evicted_bytes'])})")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import os
+
+    from minipic.connector.store.block_file import BlockRejected, verify_file
+    from minipic.connector.store.eviction import iter_blocks
+    from minipic.connector.store.namespace import is_store_root
+
+    if not is_store_root(args.dir):
+        print(f"minipic: {args.dir} is not a minipic store", file=sys.stderr)
+        return 2
+    good = bad = 0
+    for block in iter_blocks(args.dir):
+        try:
+            verify_file(block.path)
+            good += 1
+        except (OSError, BlockRejected) as e:
+            bad += 1
+            print(f"bad: {block.path}: {e}")
+            if args.remove:
+                try:
+                    os.unlink(block.path)
+                except OSError:
+                    pass
+    print(f"{good} good, {bad} bad" + (" (removed)" if args.remove and bad else ""))
+    return 1 if bad and not args.remove else 0
+
+
+def _evict(args: argparse.Namespace) -> int:
+    from minipic.connector.store.eviction import evict_lru
+    from minipic.connector.store.namespace import is_store_root
+
+    if not is_store_root(args.dir):
+        print(f"minipic: {args.dir} is not a minipic store", file=sys.stderr)
+        return 2
+    result = evict_lru(args.dir, args.max_bytes, low_watermark=1.0)
+    if not result.ran:
+        print("another process is evicting; try again later", file=sys.stderr)
+        return 1
+    print(f"removed {result.removed_files} blocks ({_human(result.removed_bytes)}), "
+          f"{_human(result.remaining_bytes)} left")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minipic", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    store = commands.add_parser("store", help="inspect and maintain span stores")
+    store_commands = store.add_subparsers(dest="store_command", required=True)
+
+    stats = store_commands.add_parser("stats", help="spans, blocks, bytes and hits")
+    stats.add_argument("dir")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(run=_stats)
+
+    verify = store_commands.add_parser("verify", help="check every block file")
+    verify.add_argument("dir")
+    verify.add_argument("--remove", action="store_true", help="delete bad files")
+    verify.set_defaults(run=_verify)
+
+    evict = store_commands.add_parser("evict", help="remove LRU blocks down to a size")
+    evict.add_argument("dir")
+    evict.add_argument("--max-bytes", type=int, required=True)
+    evict.set_defaults(run=_evict)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""MiniPICConnector: vLLM's OffloadingConnector, pointed at a minipic span store.
+
+    --kv-transfer-config '{"kv_connector": "MiniPICConnector",
+                           "kv_connector_module_path": "minipic.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"store_dir": "/data/spans"}}'
+
+Naming this connector also switches minipic on (SSep/PDep hashing, K kept
+unrotated: see minipic.config), so every block it moves is position-free and
+keyed by a hash that ignores where its span sits. What this class adds to
+vLLM's connector is small:
+
+  * options -> vLLM's offload config (options.py), and checks that fail at
+    start-up instead of silently storing nothing;
+  * the store namespace, computed once from vLLM's config and handed to the
+    disk tier (scheduler/identity.py, scheduler/disk_tier.py);
+  * span heads: which blocks start with SSep, for `minipic store stats`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from minipic.config import minipic_options
+from minipic.connector.options import ConnectorConfigError, apply_offload_config
+from minipic.connector.scheduler.span_heads import SpanHeads, span_head_keys
+
+
+def check_engine_config(vllm_config: Any) -> None:
+    """Configurations under which the store would silently never hit."""
+    cache = vllm_config.cache_config
+    if not cache.enable_prefix_caching:
+        raise ConnectorConfigError(
+            "MiniPICConnector keys spans by prefix-cache block hashes: "
+            "turn prefix caching on (remove --no-enable-prefix-caching)")
+    from minipic.hashing.block_hasher import check_hash_algo
+
+    check_hash_algo(cache.prefix_caching_hash_algo)
+
+
+class MiniPICConnector(OffloadingConnector):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        apply_offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        if role == KVConnectorRole.SCHEDULER:
+            check_engine_config(vllm_config)
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._span_heads: SpanHeads | None = None
+        if self.connector_scheduler is not None:
+            self._open_store(vllm_config, kv_cache_config)
+
+    def _open_store(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        from minipic.connector.scheduler.disk_tier import MiniPICDiskTier
+        from minipic.connector.scheduler.identity import namespace_fields
+        from minipic.protocol import resolve_span_protocol
+
+        mc = vllm_config.model_config
+        protocol = resolve_span_protocol(minipic_options(vllm_config) or {}, mc.tokenizer,
+                                         revision=mc.tokenizer_revision,
+                                         trust_remote_code=mc.trust_remote_code)
+        self._ssep_token_id = protocol.ssep_token_id
+        self._hash_block_size = vllm_config.cache_config.block_size
+        self._num_groups = len(kv_cache_config.kv_cache_groups)
+        tiers = [t for t in getattr(self.connector_scheduler.manager, "secondary_tiers", ())
+                 if isinstance(t, MiniPICDiskTier)]
+        if not tiers:
+            return
+        self._span_heads = SpanHeads()
+        fields = namespace_fields(vllm_config, kv_cache_config, protocol, type(self))
+        for tier in tiers:
+            tier.open(fields, self._span_heads)
+
+    def on_new_request(self, request: Any) -> None:
+        if self._span_heads is not None:
+            self._span_heads.add(span_head_keys(
+                request.all_token_ids, request.block_hashes, self._hash_block_size,
+                self._ssep_token_id, range(self._num_groups)))
+        super().on_new_request(request)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        # Runs in the API server, where no connector instance exists: the
+        # offload metrics are chosen from the extra config, so complete it here too.
+        apply_offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        return super().build_prom_metrics(vllm_config, *args, **kwargs)

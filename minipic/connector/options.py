@@ -1,0 +1,100 @@
+"""minipic's connector options, and the vLLM offload config they stand for.
+
+Users write short minipic keys in `kv_connector_extra_config`:
+
+    store_dir          directory of the span store (shared by replicas); omit for CPU only
+    cpu_bytes          size of the CPU tier (default 2 GiB); vLLM's `cpu_bytes_to_use` also works
+    disk_max_bytes     size limit of the store; least recently used blocks are evicted past it
+    disk_read_threads / disk_write_threads   I/O threads of the disk tier (default 4 / 4)
+    ssep_token_id / pdep_token_id / pad_token_id   span markers (see minipic.config)
+
+`apply_offload_config` rewrites them, in place, into the keys vLLM's native
+offload reads (`spec_name`, `spec_module_path`, `cpu_bytes_to_use`,
+`secondary_tiers`). In place because every process reads that dict on its own:
+the engine core and workers build the spec from it, the API server builds the
+offload metrics from it. Other vLLM offload keys (e.g. `eviction_policy`)
+pass through untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, MutableMapping
+
+SPEC_NAME = "MiniPICOffloadingSpec"
+SPEC_MODULE = "minipic.connector.spec"
+TIER_TYPE = "minipic_disk"
+DEFAULT_CPU_BYTES = 2 << 30
+_APPLIED = "_minipic_applied"
+
+
+class ConnectorConfigError(ValueError):
+    """The connector's configuration cannot work; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorOptions:
+    store_dir: str | None
+    cpu_bytes: int
+    disk_max_bytes: int | None
+    disk_read_threads: int
+    disk_write_threads: int
+
+    @classmethod
+    def parse(cls, extra: MutableMapping[str, Any]) -> "ConnectorOptions":
+        def positive_int(name: str, value: Any) -> int:
+            try:
+                number = int(value)
+            except (TypeError, ValueError):
+                number = 0
+            if number <= 0:
+                raise ConnectorConfigError(f"{name} must be a positive integer, got {value!r}")
+            return number
+
+        store_dir = extra.get("store_dir")
+        if store_dir is not None and not str(store_dir).strip():
+            raise ConnectorConfigError("store_dir is empty: give a directory or leave it out")
+        cpu = extra.get("cpu_bytes", extra.get("cpu_bytes_to_use", DEFAULT_CPU_BYTES))
+        disk_max = extra.get("disk_max_bytes")
+        if disk_max is not None and store_dir is None:
+            raise ConnectorConfigError("disk_max_bytes needs a store_dir")
+        for key in ("block_size", "blocks_per_chunk"):
+            if key in extra:
+                # One offloaded chunk per block keeps every span block its own
+                # file, found by its own (position-free) hash.
+                raise ConnectorConfigError(
+                    f"{key} is not supported by MiniPICConnector: spans are stored block by block")
+        if "secondary_tiers" in extra and not extra.get(_APPLIED):
+            raise ConnectorConfigError(
+                "MiniPICConnector sets up its own disk tier: use store_dir, not secondary_tiers")
+        spec_name = extra.get("spec_name", SPEC_NAME)
+        if spec_name != SPEC_NAME:
+            raise ConnectorConfigError(
+                f"MiniPICConnector runs its own offloading spec; remove spec_name={spec_name!r}")
+        return cls(
+            store_dir=str(store_dir) if store_dir is not None else None,
+            cpu_bytes=positive_int("cpu_bytes", cpu),
+            disk_max_bytes=positive_int("disk_max_bytes", disk_max) if disk_max is not None else None,
+            disk_read_threads=positive_int("disk_read_threads", extra.get("disk_read_threads", 4)),
+            disk_write_threads=positive_int("disk_write_threads", extra.get("disk_write_threads", 4)),
+        )
+
+    def offload_config(self) -> dict[str, Any]:
+        """The keys vLLM's TieringOffloadingSpec reads."""
+        tiers = []
+        if self.store_dir is not None:
+            tiers.append({"type": TIER_TYPE, "root_dir": self.store_dir,
+                          "max_bytes": self.disk_max_bytes,
+                          "n_read_threads": self.disk_read_threads,
+                          "n_write_threads": self.disk_write_threads})
+        return {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE,
+                "cpu_bytes_to_use": self.cpu_bytes, "secondary_tiers": tiers}
+
+
+def apply_offload_config(extra: MutableMapping[str, Any]) -> ConnectorOptions:
+    """Parse minipic's keys and add vLLM's offload keys to the same dict; idempotent."""
+    options = ConnectorOptions.parse(extra)
+    if not extra.get(_APPLIED):
+        extra.update(options.offload_config())
+        extra[_APPLIED] = True
+    return options

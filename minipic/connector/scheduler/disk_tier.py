@@ -1,0 +1,303 @@
+"""The disk tier: vLLM's secondary-tier interface over a minipic span store.
+
+vLLM's tiering manager owns the flow (GPU -> CPU primary -> this tier on
+store; this tier -> CPU primary -> GPU on a hit); this class only moves rows
+of the CPU tier to and from block files. It reuses vLLM's FS-tier machinery
+(`AsyncLookupManager` for non-blocking existence checks, `DualQueueThreadPool`
+for I/O) and adds what the stock FS tier lacks:
+
+  * a namespace (see `store.namespace`): rotated-K stores and other
+    configurations are never read;
+  * self-checking files: a bad file fails its load, is removed and remembered
+    as a miss for this process, so its blocks are recomputed (never loaded);
+  * degraded mode: a full, read-only or missing disk turns writes (or the
+    whole tier) off instead of failing the engine;
+  * a size limit with LRU eviction, and counters for `minipic store stats`.
+
+Everything here runs on the scheduler thread except the task closures, which
+run on pool threads and only touch the CPU-tier buffer and the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+
+from minipic.connector import compat
+from minipic.connector.scheduler.span_heads import SpanHeads
+from minipic.connector.store import block_file, eviction
+from minipic.connector.store.namespace import StoreNamespace, block_path, open_namespace
+from minipic.connector.store.stats import ProcessCounters
+
+logger = logging.getLogger("minipic.connector")
+
+TIER_TYPE = "minipic_disk"
+# After a write fails for lack of space or permission, stop writing for this
+# long, then try again (eviction or an operator may have made room).
+WRITE_BACKOFF_S = 30.0
+
+
+class _ExistsLookup(AsyncLookupManager):
+    """Existence checks on a pool thread, so the scheduler never waits on the disk."""
+
+    def __init__(self, tier: "MiniPICDiskTier"):
+        super().__init__(tier_type=tier.tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return [os.path.exists(self._tier.path_of(k)) for k in keys]
+
+
+class MiniPICDiskTier(SecondaryTierManager):
+    medium: ClassVar[Any] = compat.STORAGE_MEDIUM
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 root_dir: str, max_bytes: int | None = None, n_read_threads: int = 4,
+                 n_write_threads: int = 4, **base_kwargs: Any):
+        # base_kwargs: what newer vLLM passes every tier (e.g. backpressure_detector).
+        super().__init__(offloading_spec, primary_kv_view, tier_type, **base_kwargs)
+        self._view = primary_kv_view.cast("B")
+        self._row_bytes = primary_kv_view.strides[0]
+        self.root_dir = Path(root_dir)
+        self.max_bytes = int(max_bytes) if max_bytes else None
+        self.span_heads = SpanHeads()
+
+        # Set by open(): until the connector knows the namespace, the tier is off.
+        self._namespace: StoreNamespace | None = None
+        self._ns_dir: Path | None = None
+        self._readable = False
+        self._writes_off_until = float("inf")
+        self.counters = ProcessCounters(None)
+
+        self._bad_keys: set[OffloadKey] = set()  # failed loads: miss until rewritten
+        self._rejects: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
+        self._write_errors: queue.SimpleQueue[OSError] = queue.SimpleQueue()
+        self._instant_results: list[JobResult] = []
+        self._jobs: dict[int, tuple[list[OffloadKey], bool]] = {}  # job -> (keys, is_store)
+        self._bytes_since_eviction = 0
+        self._evicting = threading.Lock()
+
+        self._pool = DualQueueThreadPool(n_read_threads, n_write_threads,
+                                         thread_name_prefix="minipic_disk")
+        self._lookup = _ExistsLookup(self)
+
+    # -- set-up ---------------------------------------------------------------
+
+    def open(self, fields: dict[str, Any], span_heads: SpanHeads | None = None) -> None:
+        """Join the store under the namespace `fields` (see scheduler.identity);
+        any failure leaves the tier off, not the engine."""
+        if span_heads is not None:
+            self.span_heads = span_heads
+        namespace = StoreNamespace({**fields, "payload_bytes": self._row_bytes})
+        self._namespace = namespace
+        try:
+            self._ns_dir = open_namespace(self.root_dir, namespace)
+        except OSError as e:
+            ns_dir = self.root_dir / namespace.dirname
+            if not (ns_dir / "namespace.json").is_file():
+                logger.warning("minipic store %s unusable (%s): running without disk persistence",
+                               self.root_dir, e)
+                return
+            self._ns_dir = ns_dir  # exists but not writable: serve reads only
+            logger.warning("minipic store %s is read-only (%s): loading spans, not storing",
+                           self.root_dir, e)
+        except Exception as e:  # e.g. NamespaceMismatch
+            logger.error("minipic store %s refused: %s; running without disk persistence",
+                         self.root_dir, e)
+            return
+        self._readable = True
+        writable = os.access(self._ns_dir / "blocks", os.W_OK)
+        self._writes_off_until = 0.0 if writable else float("inf")
+        self.counters = ProcessCounters(self._ns_dir if writable else None)
+        logger.info("minipic store: %s (%s)", self._ns_dir, "read-write" if writable else "read-only")
+        if writable:
+            self._maybe_evict()  # the store may have been left over its limit
+
+    def path_of(self, key: OffloadKey) -> str:
+        assert self._ns_dir is not None
+        return block_path(self._ns_dir, get_offload_block_hash(key), get_offload_group_idx(key))
+
+    # -- lookups ----------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not self._readable or key in self._bad_keys:
+            return LookupResult.MISS
+        found = self._lookup.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: Any) -> None:
+        self._lookup.flush()
+        self.counters.maybe_flush()
+
+    # -- transfers --------------------------------------------------------------
+
+    def submit_store(self, job: Any) -> None:
+        keys = list(job.keys)
+        if not self._can_write():
+            self._instant_results.append(JobResult(job_id=job.job_id, success=False))
+            return
+        self._jobs[job.job_id] = (keys, True)
+        tasks = [self._store_task(k, int(slot)) for k, slot in zip(keys, compat.job_slots(job))]
+        self._pool.enqueue_store(job.job_id, len(tasks), tasks)
+
+    def submit_load(self, job: Any) -> None:
+        keys = list(job.keys)
+        self._jobs[job.job_id] = (keys, False)
+        tasks = [self._load_task(k, int(slot)) for k, slot in zip(keys, compat.job_slots(job))]
+        self._pool.enqueue_load(job.job_id, len(tasks), tasks)
+
+    def _row(self, slot: int) -> memoryview:
+        return self._view[slot * self._row_bytes:(slot + 1) * self._row_bytes]
+
+    def _store_task(self, key: OffloadKey, slot: int):
+        path, rewrite = self.path_of(key), key in self._bad_keys
+
+        def store() -> None:
+            if not rewrite and os.path.exists(path):
+                eviction.touch(path)  # someone wrote it already: just record the use
+                self.counters.add(duplicate_blocks=1)
+                return
+            flags = block_file.FLAG_SPAN_HEAD if key in self.span_heads else 0
+            try:
+                block_file.write_block(path, self._namespace.digest, key, self._row(slot), flags)
+            except OSError as e:
+                self._write_errors.put(e)
+                self.counters.add(store_failures=1)
+                raise
+            self.counters.add(stored_blocks=1, stored_bytes=self._row_bytes)
+
+        return store
+
+    def _load_task(self, key: OffloadKey, slot: int):
+        path = self.path_of(key)
+
+        def load() -> None:
+            try:
+                block_file.read_block_into(path, self._namespace.digest, key, self._row(slot))
+            except FileNotFoundError:
+                self._rejects.put(key)  # evicted since the lookup: recompute
+                raise
+            except block_file.BlockRejected as e:
+                self._rejects.put(key)
+                self.counters.add(rejected_blocks=1)
+                logger.warning("minipic store: ignoring %s (%s); it will be recomputed", path, e)
+                _remove_if_same(path, e.inode)
+                raise
+            except OSError:
+                self._rejects.put(key)  # unreadable now (I/O error, fd limit): recompute
+                raise
+            eviction.touch(path)
+            self.counters.add(hit_blocks=1, hit_bytes=self._row_bytes)
+
+        return load
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results, self._instant_results = self._instant_results, []
+        for job_id, success in compat.finished_jobs(self._pool):
+            keys, is_store = self._jobs.pop(job_id, ((), False))
+            results.append(JobResult(job_id=job_id, success=success))
+            if success and is_store:
+                self._bad_keys.difference_update(keys)  # rewritten: trust the file again
+                self._note_written(len(keys) * self._row_bytes)
+        # Drained after the finished list: a task records its reject before it
+        # completes, so every reject of a job returned above is already queued.
+        self._drain_rejects()
+        self._drain_write_errors()
+        return results
+
+    def _drain_rejects(self) -> None:
+        while True:
+            try:
+                self._bad_keys.add(self._rejects.get_nowait())
+            except queue.Empty:
+                return
+
+    def _drain_write_errors(self) -> None:
+        while True:
+            try:
+                e = self._write_errors.get_nowait()
+            except queue.Empty:
+                return
+            if e.errno in block_file.NO_SPACE_ERRNOS:
+                if time.monotonic() >= self._writes_off_until:
+                    logger.warning("minipic store: cannot write (%s); pausing writes for %.0f s",
+                                   e, WRITE_BACKOFF_S)
+                self._writes_off_until = time.monotonic() + WRITE_BACKOFF_S
+                self._maybe_evict()
+            else:
+                logger.warning("minipic store: write failed: %s", e)
+
+    def _can_write(self) -> bool:
+        return self._readable and time.monotonic() >= self._writes_off_until
+
+    # -- capacity ------------------------------------------------------------------
+
+    def _note_written(self, nbytes: int) -> None:
+        # Scanning the store costs one stat per file: do it each time this
+        # process has written 5% of the limit, not on every store.
+        self._bytes_since_eviction += nbytes
+        if self.max_bytes is not None and self._bytes_since_eviction >= self.max_bytes // 20:
+            self._maybe_evict()
+
+    def _maybe_evict(self) -> None:
+        if self.max_bytes is None or not self._evicting.acquire(blocking=False):
+            return
+        self._bytes_since_eviction = 0
+        threading.Thread(target=self._evict, name="minipic_evict", daemon=True).start()
+
+    def _evict(self) -> None:
+        try:
+            result = eviction.evict_lru(self.root_dir, self.max_bytes)
+            if result.removed_files:
+                self.counters.add(evicted_blocks=result.removed_files,
+                                  evicted_bytes=result.removed_bytes)
+                logger.info("minipic store: evicted %d blocks (%d bytes), %d bytes left",
+                            result.removed_files, result.removed_bytes, result.remaining_bytes)
+        except OSError as e:
+            logger.warning("minipic store: eviction failed: %s", e)
+        finally:
+            self._evicting.release()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def drain_jobs(self) -> None:
+        self._pool.wait_idle()
+
+    def shutdown(self) -> None:
+        self._lookup.shutdown()
+        self._pool.shutdown(wait=True)
+        self.counters.maybe_flush(force=True)
+
+
+def _remove_if_same(path: str, inode: int | None) -> None:
+    """Remove a bad file, unless another replica already replaced it with a new one."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)

@@ -1,0 +1,44 @@
+"""Which offload keys start a span, so the store can count spans.
+
+The disk tier only sees keys; the connector sees the tokens. For every new
+request it records the keys of blocks that begin with SSep, and the tier sets
+a flag in those blocks' headers. Bounded: old entries fall out first (a
+missing flag only makes `minipic store stats` undercount spans).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Iterable, Sequence
+
+from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
+
+
+class SpanHeads:
+    def __init__(self, capacity: int = 1 << 20):
+        self._keys: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()  # read from I/O threads
+
+    def add(self, keys: Iterable[OffloadKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys[key] = None
+                self._keys.move_to_end(key)
+            while len(self._keys) > self._capacity:
+                self._keys.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._keys
+
+
+def span_head_keys(token_ids: Sequence[int], block_hashes: Sequence[Any], block_size: int,
+                   ssep_token_id: int, group_ids: Iterable[int] = (0,)) -> list[OffloadKey]:
+    """Keys (for every offloaded KV group) of the full blocks that start with SSep."""
+    groups = tuple(group_ids)
+    return [make_offload_key(bytes(h), g)
+            for i, h in enumerate(block_hashes)
+            if i * block_size < len(token_ids) and token_ids[i * block_size] == ssep_token_id
+            for g in groups]
