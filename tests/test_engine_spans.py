@@ -1,0 +1,148 @@
+"""minipic on a real vLLM CPU engine: span hits, fidelity, PDep, cache_salt, sharing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import BLOCK_SIZE, MINIPIC_ON, start_llm, stop_llm
+from hf_reference import BlockAttentionReference
+
+from minipic.client import block_attention
+from minipic.protocol import SpanProtocol
+
+pytestmark = pytest.mark.engine
+FIRST_WORD_ID = 7  # ids below are <unk>, <s>, </s> and the reserved markers
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    llm = start_llm(tiny_model, **MINIPIC_ON)
+    yield llm
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def protocol(llm) -> SpanProtocol:
+    return SpanProtocol.from_tokenizer(llm.get_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model) -> BlockAttentionReference:
+    return BlockAttentionReference(tiny_model)
+
+
+def words(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_WORD_ID, 400) for _ in range(n)]
+
+
+DOCS = [words(40, 1), words(70, 2), words(25, 3)]  # 2, 3 and 1 blocks once wrapped
+TASK = words(9, 4)
+
+
+def generate(llm, prompts, steps=STEPS, **params):
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=0, **params)
+    return llm.generate(prompts, sampling, use_tqdm=False)
+
+
+def prefill(llm, prompt) -> None:
+    generate(llm, prompt.vllm_prefills(), steps=1)
+
+
+def build(protocol, docs=DOCS, system=words(20, 5), task=TASK):
+    return block_attention(docs, task, system=system, protocol=protocol,
+                           block_size=BLOCK_SIZE)
+
+
+def split_final(prompt, protocol) -> tuple[list[list[int]], list[int]]:
+    """`prompt.final` as (header and document spans, PDep task), cut at marker blocks."""
+    final, starts = prompt.final, [0]
+    for b in range(BLOCK_SIZE, len(final), BLOCK_SIZE):
+        if final[b] in protocol.markers:
+            starts.append(b)
+    task_start = starts.pop() if final[starts[-1]] == protocol.pdep_token_id else len(final)
+    bounds = starts + [task_start]
+    return [final[a:b] for a, b in zip(bounds, bounds[1:])], final[task_start:]
+
+
+def expected_tokens(reference, prompt, protocol) -> tuple[list[int], list[float]]:
+    spans, task = split_final(prompt, protocol)
+    return reference.greedy(spans, task, STEPS)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
+@pytest.mark.parametrize("system_words", [20, 50], ids=["1-block-system", "2-block-system"])
+def test_spans_hit_in_any_order_and_offset(llm, protocol, order, system_words):
+    spans_alone = build(protocol, docs=DOCS)
+    prefill(llm, spans_alone)
+    prompt = build(protocol, docs=[DOCS[i] for i in order], system=words(system_words, 5))
+    prefill(llm, block_attention([], TASK, system=words(system_words, 5), protocol=protocol,
+                                 block_size=BLOCK_SIZE))  # the header only
+    [out] = generate(llm, [prompt.vllm_final()])
+    assert prompt.expected_cached_tokens == len(prompt.final) - (len(TASK) + 1)
+    assert out.num_cached_tokens == prompt.expected_cached_tokens
+
+
+def test_block_attention_fidelity_vs_hf_block_mask(llm, protocol, reference):
+    prompt = build(protocol, docs=[DOCS[2], DOCS[0], DOCS[1]])
+    prefill(llm, prompt)
+    [out] = generate(llm, [prompt.vllm_final()])
+    assert out.num_cached_tokens == prompt.expected_cached_tokens
+    tokens, logprobs = expected_tokens(reference, prompt, protocol)
+    assert list(out.outputs[0].token_ids) == tokens
+    got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+    assert got == pytest.approx(logprobs, abs=2e-3)
+
+
+def test_span_prefilled_in_context_differs_from_alone(llm, protocol, reference):
+    """Guards the reference: full causal attention gives other tokens than Block-Attention."""
+    prompt = build(protocol, docs=[DOCS[1], DOCS[0]], task=words(9, 11))
+    block_tokens, _ = expected_tokens(reference, prompt, protocol)
+    causal_tokens, _ = reference.greedy([], prompt.final, STEPS)
+    assert block_tokens != causal_tokens
+
+
+def test_pdep_task_never_hits_after_different_documents(llm, protocol):
+    shared, task = DOCS[0], words(2 * BLOCK_SIZE, 6)  # task spans full blocks: hittable
+    first = build(protocol, docs=[DOCS[1], shared], task=task)
+    second = build(protocol, docs=[DOCS[2], shared], task=task)
+    for prompt in (first, second):
+        prefill(llm, prompt)
+        [out] = generate(llm, [prompt.vllm_final()])
+        # Everything before PDep hits; the task's full blocks never do.
+        assert out.num_cached_tokens == prompt.expected_cached_tokens
+        assert out.num_cached_tokens == len(prompt.final) - len(task) - 1
+    [again] = generate(llm, [first.vllm_final()])  # the identical prompt does hit its task
+    assert again.num_cached_tokens > first.expected_cached_tokens
+
+
+def test_cache_salt_isolates_spans(llm, protocol):
+    from vllm.inputs import TokensPrompt
+
+    prompt = build(protocol, docs=[words(33, 7), words(64, 8)], system=words(10, 9))
+    header, *spans = prompt.span_prefills
+    salted = lambda tokens, salt: TokensPrompt(prompt_token_ids=tokens, cache_salt=salt)
+    generate(llm, [salted(header, "tenant-b")] + [salted(s, "tenant-a") for s in spans], steps=1)
+    [other] = generate(llm, [salted(prompt.final, "tenant-b")])
+    assert other.num_cached_tokens == len(header)  # b's header hits, a's spans do not
+    generate(llm, [salted(s, "tenant-b") for s in spans], steps=1)
+    [own] = generate(llm, [salted(prompt.final, "tenant-b")])
+    assert own.num_cached_tokens == prompt.expected_cached_tokens
+
+
+def test_same_span_twice_and_at_two_offsets_concurrently(llm, protocol, reference):
+    doc = words(50, 10)
+    twice = build(protocol, docs=[doc, DOCS[0], doc])
+    front = build(protocol, docs=[doc, DOCS[1]], task=words(5, 12))
+    back = build(protocol, docs=[DOCS[2], DOCS[1], doc], task=words(5, 12))
+    for prompt in (twice, front, back):
+        prefill(llm, prompt)
+    outs = generate(llm, [p.vllm_final() for p in (twice, front, back)])  # one batch
+    for prompt, out in zip((twice, front, back), outs):
+        assert out.num_cached_tokens == prompt.expected_cached_tokens
+        tokens, _ = expected_tokens(reference, prompt, protocol)
+        assert list(out.outputs[0].token_ids) == tokens
