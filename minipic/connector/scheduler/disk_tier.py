@@ -291,9 +291,14 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._pool.wait_idle()
 
     def shutdown(self) -> None:
+        # Finish queued writes first (the pool's shutdown drops queued tasks):
+        # blocks computed just before a restart are exactly the ones to keep.
+        self._pool.wait_idle()
         self._lookup.shutdown()
         self._pool.shutdown(wait=True)
         self.counters.maybe_flush(force=True)
+        # Our byte view pins the CPU tier's mmap: release it so the tier can close it.
+        self._view.release()
 
 
 def _remove_if_same(path: str, inode: int | None) -> None:

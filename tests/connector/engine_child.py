@@ -1,0 +1,79 @@
+"""One vLLM CPU engine with MiniPICConnector, in its own process, running a plan.
+
+    python engine_child.py PLAN.json OUT.json
+
+PLAN: {"model": ..., "extra_config": {...}, "steps": [...]} where a step is
+  {"op": "generate", "name": str, "prompts": [[ids]...], "max_tokens": int}
+  {"op": "touch", "path": str}        signal another process
+  {"op": "wait", "path": str}         wait for another process's signal
+  {"op": "sleep", "seconds": float}   let background offloading finish
+OUT: {"results": {name: [{"tokens": [...], "cached": int}, ...]}}
+
+Tests start it with subprocess so that each engine is a fresh process: a
+restart is a real restart, replicas are real concurrent processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def make_llm(model: str, extra_config: dict):
+    from vllm import LLM
+
+    return LLM(
+        model=model, enforce_eager=True, block_size=32, dtype="float32",
+        gpu_memory_utilization=0.1, max_model_len=1024, enable_prefix_caching=True,
+        max_num_seqs=8, seed=0,
+        kv_transfer_config={
+            "kv_connector": "MiniPICConnector",
+            "kv_connector_module_path": "minipic.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra_config,
+        },
+    )
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0}
+            for o in outputs]
+
+
+def wait_for(path: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no signal at {path}")
+        time.sleep(0.2)
+
+
+def main(plan_path: str, out_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with open(plan_path) as f:
+        plan = json.load(f)
+    llm = make_llm(plan["model"], plan["extra_config"])
+    results: dict[str, list[dict]] = {}
+    for step in plan["steps"]:
+        if step["op"] == "generate":
+            results[step["name"]] = generate(llm, step["prompts"], step.get("max_tokens", 8))
+        elif step["op"] == "touch":
+            open(step["path"], "w").close()
+        elif step["op"] == "wait":
+            wait_for(step["path"])
+        elif step["op"] == "sleep":
+            time.sleep(step["seconds"])
+    with open(out_path, "w") as f:
+        json.dump({"results": results}, f)
+    del llm  # shut the engine down: the disk tier finishes its writes
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
