@@ -1,0 +1,174 @@
+"""MiniPICDiskTier against vLLM's tier interface, without an engine: hits, bad files, full disk."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+
+from minipic.connector.scheduler.disk_tier import MiniPICDiskTier  # noqa: E402
+from minipic.connector.scheduler.span_heads import SpanHeads, span_head_keys  # noqa: E402
+from minipic.connector.store import block_file  # noqa: E402
+from minipic.connector.store.stats import scan_store  # noqa: E402
+
+ROW = 4096
+FIELDS = {"format": "minipic-span-store", "model": "m", "dtype": "float32"}
+CTX = ReqContext(req_id="r")
+
+
+def key(i: int):
+    return make_offload_key(bytes([i]) * 32, 0)
+
+
+class Harness:
+    """A CPU tier buffer and the tier, driven the way vLLM's tiering manager drives it."""
+
+    def __init__(self, root, **kwargs):
+        self.rows = np.zeros((8, ROW), dtype=np.uint8)
+        self.tier = MiniPICDiskTier(SimpleNamespace(), memoryview(self.rows), "minipic_disk",
+                                    root_dir=str(root), **kwargs)
+        self.next_job = 0
+
+    def job(self, keys, slots):
+        self.next_job += 1
+        slots = np.array(slots, dtype=np.int64)
+        return SimpleNamespace(job_id=self.next_job, keys=keys, chunk_ids=slots, block_ids=slots,
+                               is_promotion=False, req_context=CTX)
+
+    def run(self, submit, keys, slots) -> bool:
+        job = self.job(keys, slots)
+        submit(job)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for result in self.tier.get_finished_jobs():
+                if result.job_id == job.job_id:
+                    return result.success
+            time.sleep(0.01)
+        raise TimeoutError
+
+    def lookup(self, k) -> LookupResult:
+        deadline = time.monotonic() + 10
+        while True:
+            result = self.tier.lookup(k, CTX)
+            if result is not LookupResult.RETRY or time.monotonic() > deadline:
+                return result
+            self.tier.on_schedule_end(None)
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def harness(tmp_path):
+    h = Harness(tmp_path / "store")
+    h.tier.open(FIELDS, SpanHeads())
+    yield h
+    h.tier.shutdown()
+
+
+def test_store_then_load(harness, tmp_path):
+    harness.tier.span_heads.add([key(1)])
+    harness.rows[0] = 7
+    harness.rows[1] = 9
+    assert harness.run(harness.tier.submit_store, [key(1), key(2)], [0, 1])
+    assert harness.lookup(key(1)) is LookupResult.HIT
+    assert harness.lookup(key(3)) is LookupResult.MISS
+    assert harness.run(harness.tier.submit_load, [key(2), key(1)], [5, 6])
+    assert (harness.rows[5] == 9).all() and (harness.rows[6] == 7).all()
+    # a duplicate store is harmless
+    assert harness.run(harness.tier.submit_store, [key(1)], [3])
+    harness.tier.counters.maybe_flush(force=True)
+    [ns] = scan_store(tmp_path / "store")
+    assert (ns.blocks, ns.spans) == (2, 1)
+    assert ns.counters["hit_blocks"] == 2 and ns.counters["duplicate_blocks"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt", "foreign"])
+def test_bad_file_is_never_loaded_and_becomes_a_miss(harness, damage):
+    harness.rows[0] = 7
+    assert harness.run(harness.tier.submit_store, [key(1)], [0])
+    path = harness.tier.path_of(key(1))
+    data = bytearray(open(path, "rb").read())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "corrupt":
+        data[-1] ^= 1
+    else:
+        data = bytearray(block_file.encode_header(b"\1" * 16, key(1), bytes(ROW))) + bytes(ROW)
+    open(path, "wb").write(bytes(data))
+    assert harness.lookup(key(1)) is LookupResult.HIT  # the file exists...
+    assert not harness.run(harness.tier.submit_load, [key(1)], [4])  # ...but fails to load
+    assert harness.lookup(key(1)) is LookupResult.MISS  # so it is recomputed, not retried
+    assert not os.path.exists(path)  # and the bad file is gone
+    harness.rows[0] = 8  # recomputed block is written again and trusted again
+    assert harness.run(harness.tier.submit_store, [key(1)], [0])
+    assert harness.lookup(key(1)) is LookupResult.HIT
+    assert harness.run(harness.tier.submit_load, [key(1)], [4])
+    assert (harness.rows[4] == 8).all()
+
+
+def test_full_disk_pauses_writes_without_failing(harness, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(block_file, "write_block", no_space)
+    assert not harness.run(harness.tier.submit_store, [key(1)], [0])
+    # writes are now off for a while: jobs complete at once, as failures
+    assert not harness.tier._can_write()
+    assert not harness.run(harness.tier.submit_store, [key(2)], [1])
+    assert harness.lookup(key(1)) is LookupResult.MISS
+
+
+def test_unusable_store_means_no_persistence(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    h = Harness(tmp_path / "file" / "store")
+    h.tier.open(FIELDS)
+    assert h.lookup(key(1)) is LookupResult.MISS
+    assert not h.run(h.tier.submit_store, [key(1)], [0])
+    h.tier.shutdown()
+
+
+def test_read_only_store_still_serves_reads(tmp_path, monkeypatch):
+    writer = Harness(tmp_path / "store")
+    writer.tier.open(FIELDS)
+    writer.rows[0] = 5
+    assert writer.run(writer.tier.submit_store, [key(1)], [0])
+    writer.tier.shutdown()
+
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if mode == os.W_OK else real_access(p, mode))
+    reader = Harness(tmp_path / "store")
+    reader.tier.open(FIELDS)
+    assert not reader.tier._can_write()
+    assert reader.lookup(key(1)) is LookupResult.HIT
+    assert reader.run(reader.tier.submit_load, [key(1)], [2])
+    assert (reader.rows[2] == 5).all()
+    reader.tier.shutdown()
+
+
+def test_disk_limit_evicts_least_recently_used(tmp_path):
+    file_bytes = block_file.HEADER_LEN + ROW
+    h = Harness(tmp_path / "store", max_bytes=3 * file_bytes)
+    h.tier.open(FIELDS)
+    for i in range(6):
+        assert h.run(h.tier.submit_store, [key(i)], [0])
+        os.utime(h.tier.path_of(key(i)), (1000 + i, 1000 + i))
+    deadline = time.monotonic() + 10
+    while sum(os.path.exists(h.tier.path_of(key(i))) for i in range(6)) > 3:
+        assert time.monotonic() < deadline, "eviction did not run"
+        h.tier._maybe_evict()
+        time.sleep(0.05)
+    assert os.path.exists(h.tier.path_of(key(5))) and not os.path.exists(h.tier.path_of(key(0)))
+    h.tier.shutdown()
+
+
+def test_span_head_keys():
+    tokens = [3] + [9] * 31 + [9] * 32 + [3] + [9] * 31
+    keys = span_head_keys(tokens, [b"a", b"b", b"c"], 32, ssep_token_id=3)
+    assert keys == [make_offload_key(b"a", 0), make_offload_key(b"c", 0)]
