@@ -1,0 +1,62 @@
+"""Configurations minipic cannot serve fail at LLM(...) with a message saying why.
+
+All checks run in the caller's process before any engine process starts, so
+these tests are fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import MINIPIC_ON, start_llm
+
+from minipic.hashing.block_hasher import UnsupportedHashAlgoError
+from minipic.protocol import SpanProtocolError
+from minipic.support import UnsupportedModelError
+
+
+def test_fp8_kv_cache_is_refused(tiny_model):
+    with pytest.raises(UnsupportedModelError, match="kv_cache_dtype='fp8'"):
+        start_llm(tiny_model, kv_cache_dtype="fp8", **MINIPIC_ON)
+
+
+def test_non_deterministic_hash_algo_is_refused(tiny_model):
+    with pytest.raises(UnsupportedHashAlgoError, match="xxhash"):
+        start_llm(tiny_model, prefix_caching_hash_algo="xxhash", **MINIPIC_ON)
+
+
+def test_sliding_window_model_is_refused(tmp_path):
+    from transformers import MistralConfig
+
+    from minipic.devtools.tiny_llama import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, sliding_window=64,
+                  max_position_embeddings=1024).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
+        start_llm(str(tmp_path), **MINIPIC_ON)
+
+
+def test_conflicting_marker_ids_are_refused(tiny_model):
+    bad = {"additional_config": {"minipic": {"ssep_token_id": 3, "pdep_token_id": 3,
+                                             "pad_token_id": 5}}}
+    with pytest.raises(SpanProtocolError, match="different"):
+        start_llm(tiny_model, **bad)
+
+
+def test_tokenizer_without_reserved_tokens_asks_for_ids(tiny_model, tmp_path):
+    import shutil
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_model}/{name}", tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("additional_special_tokens", None)
+    config.pop("extra_special_tokens", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = json.loads((tmp_path / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if "reserved" not in t["content"]]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(SpanProtocolError, match="ssep_token_id"):
+        start_llm(str(tmp_path), **MINIPIC_ON)
