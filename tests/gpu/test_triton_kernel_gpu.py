@@ -1,0 +1,158 @@
+"""minipic's Triton kernel on a CUDA GPU: against the torch reference and stock vLLM.
+
+The reference rotates each request's keys by position and runs causal
+attention in fp64; stock vLLM's `unified_attention` runs on the same cache with
+keys pre-rotated (what stock vLLM stores). Batches mix what a vLLM step holds:
+decodes, chunked prefills with a cached prefix, fresh prefills.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minipic.attention import triton_kernel as tk
+from minipic.devtools.paged_attention_case import make_case, reference_attention, relative_error
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# (query_lens, context_lens) per batch kind
+BATCHES = {
+    # longest query >= PREFILL_MIN_QUERY_LEN: the large-q-block prefill launch
+    "mixed_long": ([1, 200, 37, 1, 150], [50, 133, 0, 1000, 0]),
+    # short chunks with decodes: the stock-shaped 2D launch
+    "mixed_short": ([1, 5, 17, 1], [300, 20, 0, 64]),
+    # few decodes: split-KV (3D) launch + segment reduction
+    "decode_split": ([1, 1, 1], [1000, 31, 4097]),
+    # many decodes: 2D launch
+    "decode_many": ([1] * 24, [17 * i + 3 for i in range(24)]),
+}
+TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
+SEQ_THRESHOLD_3D = 16
+
+
+def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D):
+    out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
+    segm = tk.segment_buffers(max(threshold, 1), case.q.shape[1], case.q.shape[2], "cuda")
+    tk.unified_attention_rope(
+        case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
+        seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
+        softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
+        is_neox_style=case.is_neox, segm_output=segm[0], segm_max=segm[1],
+        segm_expsum=segm[2], seq_threshold_3d=threshold, config=config)
+    torch.cuda.synchronize()
+    return out
+
+
+def check(batch, *, num_q_heads=8, num_kv_heads=2, head_size=128, rotary_dim=None,
+          is_neox=True, dtype=torch.bfloat16, config=None, seed=0):
+    query_lens, context_lens = BATCHES[batch]
+    case = make_case(query_lens, context_lens, num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, head_size=head_size, rotary_dim=rotary_dim,
+                     is_neox=is_neox, dtype=dtype, device="cuda", seed=seed)
+    err = relative_error(run_minipic(case, config), reference_attention(case))
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+    return case
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+def test_head_sizes_and_dtypes(batch, dtype, head_size):
+    check(batch, head_size=head_size, dtype=dtype)
+
+
+@pytest.mark.parametrize("batch", ["mixed_long", "mixed_short", "decode_split"])
+@pytest.mark.parametrize("head_size,rotary_dim,is_neox", [
+    (64, 64, False), (128, 128, False), (128, 64, True), (256, 64, False), (80, 32, True)])
+def test_rotary_styles_and_partial_rotary(batch, head_size, rotary_dim, is_neox):
+    check(batch, head_size=head_size, rotary_dim=rotary_dim, is_neox=is_neox)
+
+
+@pytest.mark.parametrize("batch", ["mixed_long", "mixed_short", "decode_split"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (8, 1), (6, 2), (4, 4), (32, 1)],
+                         ids=["gqa4", "mqa8", "group3", "mha", "mqa32"])
+def test_head_grouping(batch, num_q_heads, num_kv_heads):
+    check(batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
+
+
+@pytest.mark.parametrize("rope_mode", [tk.ROPE_TABLE, tk.ROPE_ANGLE_ADD], ids=["table", "angle"])
+@pytest.mark.parametrize("config", [tk.PREFILL, tk.DECODE_2D, tk.DECODE_3D,
+                                    tk.LaunchConfig(block_m=64, tile_size=64)],
+                         ids=["prefill", "decode2d", "decode3d", "m64t64"])
+def test_launch_configs_and_rope_modes(config, rope_mode):
+    import dataclasses
+
+    config = dataclasses.replace(config, rope_mode=rope_mode)
+    for batch in ("mixed_long", "decode_split"):
+        check(batch, config=config)
+
+
+def test_scaled_rope_table_angle_addition():
+    """A table with an mscale folded in (YaRN-like) still rotates correctly by angle addition."""
+    case = make_case([1, 180], [3000, 40], num_q_heads=8, num_kv_heads=2, head_size=128,
+                     dtype=torch.bfloat16, device="cuda", mscale=1.2)
+    for mode in (tk.ROPE_TABLE, tk.ROPE_ANGLE_ADD):
+        out = run_minipic(case, tk.LaunchConfig(block_m=64, tile_size=32, rope_mode=mode))
+        assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("batch", ["mixed_long", "mixed_short", "decode_split", "decode_many"])
+def test_equals_stock_vllm_on_prerotated_keys(batch):
+    """Same answer as vLLM's own Triton kernel over the cache stock vLLM would hold."""
+    stock = pytest.importorskip("vllm.v1.attention.ops.triton_unified_attention")
+    query_lens, context_lens = BATCHES[batch]
+    case = make_case(query_lens, context_lens, num_q_heads=32, num_kv_heads=8, head_size=128,
+                     dtype=torch.bfloat16, device="cuda", seed=3)
+    ref = reference_attention(case)
+    ours = run_minipic(case)
+    theirs = torch.full_like(case.q, float("nan"))
+    segm = tk.segment_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
+    ones = torch.ones(1, device="cuda").expand(len(query_lens), 8)
+    stock.unified_attention(
+        q=case.q, k=case.rotated_k_cache(), v=case.v_cache, out=theirs,
+        cu_seqlens_q=case.cu_seqlens_q, max_seqlen_q=case.max_seqlen_q,
+        seqused_k=case.seq_lens, max_seqlen_k=case.max_seqlen_k, softmax_scale=case.scale,
+        causal=True, window_size=(-1, -1), block_table=case.block_table, softcap=0,
+        q_descale=None, k_descale=ones, v_descale=ones, seq_threshold_3D=SEQ_THRESHOLD_3D,
+        num_par_softmax_segments=tk.NUM_SEGMENTS, softmax_segm_output=segm[0],
+        softmax_segm_max=segm[1], softmax_segm_expsum=segm[2])
+    torch.cuda.synchronize()
+    err_ours, err_stock = relative_error(ours, ref), relative_error(theirs, ref)
+    assert err_ours < TOLERANCE[torch.bfloat16]
+    assert err_ours < 2 * err_stock + 1e-3, (err_ours, err_stock)
+    assert relative_error(ours, theirs) < TOLERANCE[torch.bfloat16]
+
+
+def test_cuda_graph_replay_follows_new_lengths():
+    """Captured once, replayed after the step's metadata changes in place (vLLM's static buffers)."""
+    case = make_case([1, 1, 1, 1], [700, 90, 2500, 33], num_q_heads=32, num_kv_heads=8,
+                     head_size=128, dtype=torch.bfloat16, device="cuda", seed=5)
+    out = torch.empty_like(case.q)
+    segm = tk.segment_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
+
+    def step():
+        tk.unified_attention_rope(
+            case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
+            seqused_k=case.seq_lens, max_seqlen_q=1, block_table=case.block_table,
+            softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=128, is_neox_style=True,
+            segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
+            seq_threshold_3d=SEQ_THRESHOLD_3D)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for shrink in (0, 1, 17):
+        new_lens = torch.tensor([701, 91, 2501, 34], dtype=torch.int32) - shrink
+        case.seq_lens.copy_(new_lens)  # one token shorter context, then more
+        case.context_lens = [n - 1 for n in new_lens.tolist()]
+        case.q.copy_(torch.randn_like(case.q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
