@@ -73,11 +73,11 @@ def _pair_dims(offs_r, ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def _rotate_pair(k1, k2, cos, sin, dtype):
-    """RoPE on one tile's pair halves, in fp32, rounded once to the dot dtype."""
+def _rotate_pair(k1, k2, cos, sin):
+    """RoPE on one tile's pair halves, in fp32 (the caller rounds once, to the dot dtype)."""
     k1 = k1.to(tl.float32)
     k2 = k2.to(tl.float32)
-    return (k1 * cos - k2 * sin).to(dtype), (k2 * cos + k1 * sin).to(dtype)
+    return k1 * cos - k2 * sin, k2 * cos + k1 * sin
 
 
 @triton.jit
@@ -209,14 +209,16 @@ def minipic_attention_kernel(
             cs = cos_sin_ptr + offs_t[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
             cos = tl.load(cs, mask=kr_mask, other=0.0)
             sin = tl.load(cs + ROT_HALF, mask=kr_mask, other=0.0)
-            k1, k2 = _rotate_pair(k1, k2, cos, sin, q1.dtype)
+            r1, r2 = _rotate_pair(k1, k2, cos, sin)
+            k1, k2 = r1.to(q1.dtype), r2.to(q1.dtype)
         elif ROPE_MODE == 2:
             row = cos_sin_ptr + (j * TILE_SIZE) * cos_sin_stride + offs_r
             cos_0 = tl.load(row, mask=r_mask, other=0.0) * inv_a
             sin_0 = tl.load(row + ROT_HALF, mask=r_mask, other=0.0) * inv_a
             cos = cos_0[:, None] * cos_t - sin_0[:, None] * sin_t
             sin = sin_0[:, None] * cos_t + cos_0[:, None] * sin_t
-            k1, k2 = _rotate_pair(k1, k2, cos, sin, q1.dtype)
+            r1, r2 = _rotate_pair(k1, k2, cos, sin)
+            k1, k2 = r1.to(q1.dtype), r2.to(q1.dtype)
         else:
             k1 = k1.to(q1.dtype)
             k2 = k2.to(q1.dtype)
