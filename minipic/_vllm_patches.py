@@ -16,6 +16,8 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |   .RotaryEmbeddingBase.__init__                  |             | attention                             |
 | v1.attention.selector.get_attn_backend           | worker      | pick minipic's position-free backend  |
 |   (+ the copy imported into model_executor.layers.attention.attention)               |
+| v1.worker.gpu_model_runner.GPUModelRunner        | worker      | let attention read marker blocks from |
+|   .__init__ (V1 runner; the CPU runner's base)   |             | the runner's token-id table           |
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def apply_all() -> None:
     _patch_block_hasher_factory()
     _patch_rotary_embedding_init()
     _patch_attention_selector()
+    _patch_model_runner_init()
 
 
 def _warn_if_unchecked_version() -> None:
@@ -95,10 +98,7 @@ def _prepare_config(vllm_config: Any) -> SpanProtocol:
     """
     check_supported(vllm_config)
     check_hash_algo(vllm_config.cache_config.prefix_caching_hash_algo)
-    mc = vllm_config.model_config
-    protocol = resolve_span_protocol(minipic_options(vllm_config), mc.tokenizer,
-                                     revision=mc.tokenizer_revision,
-                                     trust_remote_code=mc.trust_remote_code)
+    protocol = _span_protocol(vllm_config)
     if not isinstance(vllm_config.additional_config, dict):
         raise ValueError("minipic needs additional_config to be a dict")
     section = vllm_config.additional_config.setdefault(CONFIG_KEY, {})
@@ -180,3 +180,26 @@ def _patch_attention_selector() -> None:
         return get_attn_backend
 
     _wrap(selector, "get_attn_backend", make, also_in=(attention,))
+
+
+def _patch_model_runner_init() -> None:
+    from vllm.v1.worker import gpu_model_runner
+
+    def make(original):
+        def __init__(self, vllm_config, *args, **kwargs):
+            original(self, vllm_config, *args, **kwargs)
+            if is_enabled(vllm_config):
+                from minipic.attention.segments import register_runner
+
+                register_runner(self, _span_protocol(vllm_config))
+        return __init__
+
+    _wrap(gpu_model_runner.GPUModelRunner, "__init__", make)
+
+
+def _span_protocol(vllm_config: Any) -> SpanProtocol:
+    """The span protocol from the config (ids pinned by _prepare_config, else the tokenizer)."""
+    mc = vllm_config.model_config
+    return resolve_span_protocol(minipic_options(vllm_config), mc.tokenizer,
+                                 revision=mc.tokenizer_revision,
+                                 trust_remote_code=mc.trust_remote_code)

@@ -146,3 +146,22 @@ def test_same_span_twice_and_at_two_offsets_concurrently(llm, protocol, referenc
         assert out.num_cached_tokens == prompt.expected_cached_tokens
         tokens, _ = expected_tokens(reference, prompt, protocol)
         assert list(out.outputs[0].token_ids) == tokens
+
+
+def test_span_computed_in_a_final_prompt_is_cached_honestly(llm, protocol, reference):
+    """Spans never prefilled alone: the final prompt computes them under their
+    segment mask (Block-Attention, same as the reference), and the blocks it
+    caches under SSep hashes then serve another order correctly."""
+    from vllm.inputs import TokensPrompt
+
+    docs = [words(45, 20), words(30, 21), words(60, 22)]
+    first = build(protocol, docs=docs, task=words(7, 23))
+    second = build(protocol, docs=docs[::-1], task=words(7, 24))
+    salt = "fresh-tenant"  # nothing cached under this salt yet
+    for prompt, hits_spans in ((first, False), (second, True)):
+        [out] = generate(llm, [TokensPrompt(prompt_token_ids=prompt.final, cache_salt=salt)])
+        assert (out.num_cached_tokens == prompt.expected_cached_tokens) == hits_spans
+        tokens, logprobs = expected_tokens(reference, prompt, protocol)
+        assert list(out.outputs[0].token_ids) == tokens
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        assert got == pytest.approx(logprobs, abs=2e-3)

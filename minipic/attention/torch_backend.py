@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from minipic.attention.rope import current_rope
 from minipic.attention.rotation import rotate
+from minipic.attention.segments import first_visible_keys
 
 
 class UnsupportedAttentionError(ValueError):
@@ -63,6 +64,8 @@ class TorchPositionFreeMetadata:
     query_start_loc: list[int]  # host lists: the torch loop indexes per request
     seq_lens: list[int]
     block_table: torch.Tensor  # [num_reqs, max_blocks]
+    # Per request: first key each query may see (SSep segments), None = 0.
+    first_keys: list[torch.Tensor | None] | None = None
 
 
 class TorchPositionFreeMetadataBuilder(AttentionMetadataBuilder[TorchPositionFreeMetadata]):
@@ -72,11 +75,15 @@ class TorchPositionFreeMetadataBuilder(AttentionMetadataBuilder[TorchPositionFre
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TorchPositionFreeMetadata:
         m = common_attn_metadata
+        query_start_loc = m.query_start_loc.tolist()
+        seq_lens = m.seq_lens[: m.num_reqs].tolist()
         return TorchPositionFreeMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=m.query_start_loc.tolist(),
-            seq_lens=m.seq_lens[: m.num_reqs].tolist(),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
             block_table=m.block_table_tensor,
+            first_keys=first_visible_keys(query_start_loc, seq_lens,
+                                          self.kv_cache_spec.block_size),
         )
 
 
@@ -119,13 +126,14 @@ class TorchPositionFreeImpl(AttentionImpl):
         rope = current_rope()
         cos_sin = rope.cos_sin(query.device)
         qsl = attn_metadata.query_start_loc
+        first_keys = attn_metadata.first_keys or [None] * len(attn_metadata.seq_lens)
         for i, seq_len in enumerate(attn_metadata.seq_lens):
             q = q_all[qsl[i] : qsl[i + 1]]
             k, v = gather_request_kv(kv_cache, attn_metadata.block_table[i], seq_len, self.head_size)
             k = rotate(k, torch.arange(seq_len, device=k.device), cos_sin,
                        rope.rotary_dim, rope.is_neox_style)
             out[qsl[i] : qsl[i + 1]] = causal_attention(
-                q, k, v, self.scale, self.logits_soft_cap).to(out.dtype)
+                q, k, v, self.scale, self.logits_soft_cap, first_keys[i]).to(out.dtype)
         return output
 
 
@@ -141,11 +149,13 @@ def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: 
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     soft_cap: float = 0.0) -> torch.Tensor:
+                     soft_cap: float = 0.0, first_key: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Attention of the last len(q) positions over all len(k) keys, fp32.
 
     q [T, Hq, D] (rotated), k [S, Hkv, D] (rotated), v [S, Hkv, D]; query t sits
-    at position S - T + t and sees keys 0..S-T+t (cached prefix plus causal).
+    at position S - T + t and sees keys first_key[t]..S-T+t (cached prefix plus
+    causal, cut at the start of its span segment when given).
     """
     t, s = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]  # GQA/MQA: query heads per kv head
@@ -155,7 +165,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     q_pos = torch.arange(s - t, s, device=q.device)[:, None]
-    visible = torch.arange(s, device=q.device)[None, :] <= q_pos
+    key_pos = torch.arange(s, device=q.device)[None, :]
+    visible = key_pos <= q_pos
+    if first_key is not None:
+        visible &= key_pos >= first_key.to(q.device)[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hts,shd->thd", scores.softmax(dim=-1), v)
 
