@@ -40,6 +40,11 @@ CASES = {
                               {"rope_mode": "ROPE_ANGLE_ADD"}),
     "prefill_config_fp16": (dict(query_lens=[18], context_lens=[5], num_q_heads=2, num_kv_heads=1,
                                  head_size=32), {"config": "PREFILL_SMALL"}),
+    "prefetch_mixed_fp16": (dict(query_lens=[1, 7, 20], context_lens=[40, 13, 0], num_q_heads=4,
+                                 num_kv_heads=2, head_size=64), {"config": "PREFETCH"}),
+    "prefetch_split_kv_fp32": (dict(query_lens=[1, 1], context_lens=[90, 7], num_q_heads=4,
+                                    num_kv_heads=2, head_size=32, is_neox=False, dtype="float32"),
+                               {"config": "PREFETCH", "split_kv": True}),
 }
 TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
 # Through MiniPICTritonImpl.forward, with the KV cache in each vLLM layout.
@@ -60,6 +65,7 @@ def _run_case(name: str) -> float:
     config = {
         None: None,
         "PREFILL_SMALL": tk.LaunchConfig(block_m=32, tile_size=16),
+        "PREFETCH": tk.LaunchConfig(block_m=16, tile_size=16, prefetch=True),
     }[opts.get("config")]
     if "rope_mode" in opts:
         config = tk.LaunchConfig(block_m=16, tile_size=16, rope_mode=getattr(tk, opts["rope_mode"]))

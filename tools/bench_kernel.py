@@ -45,9 +45,14 @@ SEQ_THRESHOLD_3D = 16  # what vLLM's Triton builder picks for 8 KV heads (128 //
 PREFILL = [1024, 2048, 4096, 8192, 16384, 32768]
 DECODE_BATCHES = [1, 4, 16, 64, 256]
 DECODE_CONTEXTS = [1024, 4096, 16384, 32768]
-SWEEP = [tk.LaunchConfig(m, t, w, s) for m, t, w, s in
-         [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2),
-          (128, 128, 8, 2)]]
+# Tile-shape sweeps (--sweep, --decode-sweep): (block_m, tile, warps, stages, prefetch)
+SWEEP = [tk.LaunchConfig(m, t, w, s, prefetch=p) for m, t, w, s, p in
+         [(64, 32, 4, 3, False), (64, 64, 4, 3, False), (128, 32, 8, 3, False),
+          (128, 64, 8, 3, False), (128, 64, 8, 2, False), (128, 128, 8, 2, False),
+          (128, 64, 8, 3, True), (128, 64, 8, 2, True)]]
+DECODE_SWEEP = [tk.LaunchConfig(m, t, w, s, prefetch=p) for m, t, w, s, p in
+                [(16, 16, 4, 3, False), (16, 16, 4, 3, True), (16, 32, 4, 3, False),
+                 (16, 32, 4, 3, True), (16, 16, 2, 3, True), (16, 64, 4, 3, True)]]
 
 
 @dataclasses.dataclass
@@ -194,16 +199,23 @@ def measure(step: Step, pool: KVPool, with_m16: bool, extra: dict | None = None)
 
 
 def sweep_launchers(step: Step, pool: KVPool, out: torch.Tensor) -> dict:
+    """Tile-shape variants of minipic: prefill shapes, or decode shapes both split (3D) and not."""
     q, cu, lens, table = step.tensors(pool)
+    decode = step.q_len == 1
+    big_segm = tk.segment_buffers(step.num_seqs, Q_HEADS, HEAD, "cuda")
     variants = {}
-    for config in SWEEP:
+    for config in DECODE_SWEEP if decode else SWEEP:
         for mode in (tk.ROPE_TABLE, tk.ROPE_ANGLE_ADD):
-            c = dataclasses.replace(config, rope_mode=mode)
-            name = f"m{c.block_m}_t{c.tile_size}_w{c.num_warps}_s{c.num_stages}_r{mode}"
-            variants[name] = (lambda c=c: tk.unified_attention_rope(
-                q, pool.k, pool.v, out, cu_seqlens_q=cu, seqused_k=lens,
-                max_seqlen_q=step.q_len, block_table=table, softmax_scale=HEAD ** -0.5,
-                cos_sin=pool.cos_sin, rotary_dim=HEAD, is_neox_style=True, config=c))
+            for split in ((False, True) if decode else (False,)):
+                c = dataclasses.replace(config, rope_mode=mode)
+                name = (f"m{c.block_m}_t{c.tile_size}_w{c.num_warps}_s{c.num_stages}"
+                        f"_p{int(c.prefetch)}_r{mode}" + ("_3d" if split else ""))
+                segm = dict(zip(("segm_output", "segm_max", "segm_expsum"), big_segm),
+                            seq_threshold_3d=step.num_seqs) if split else {}
+                variants[name] = (lambda c=c, segm=segm: tk.unified_attention_rope(
+                    q, pool.k, pool.v, out, cu_seqlens_q=cu, seqused_k=lens,
+                    max_seqlen_q=step.q_len, block_table=table, softmax_scale=HEAD ** -0.5,
+                    cos_sin=pool.cos_sin, rotary_dim=HEAD, is_neox_style=True, config=c, **segm))
     return variants
 
 
@@ -272,6 +284,8 @@ def main() -> None:
     parser.add_argument("--decode-contexts", type=int, nargs="*", default=DECODE_CONTEXTS)
     parser.add_argument("--sweep", type=int, nargs="*", default=[],
                         help="prefill lengths at which to also time the tile-shape sweep")
+    parser.add_argument("--decode-sweep", nargs="*", default=[],
+                        help="BATCHxCONTEXT decode shapes at which to time the decode sweep")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -292,6 +306,10 @@ def main() -> None:
     for n in args.sweep:
         results["sweep"].append(measure(Step(1, n, 0), pool, False, extra=sweep_launchers))
         save()
+    for shape in args.decode_sweep:
+        b, ctx = map(int, shape.split("x"))
+        results["sweep"].append(measure(Step(b, 1, ctx - 1), pool, False, extra=sweep_launchers))
+        save()
     for b in args.decode_batches:
         for ctx in args.decode_contexts:
             results["decode"].append(measure(Step(b, 1, ctx - 1), pool, with_m16=False))
@@ -303,7 +321,9 @@ def main() -> None:
     md += ["", "Decode (one new token per request):", ""]
     md += ratio_table(results["decode"], "{num_seqs} x {context}", "batch x context")
     for r in results["sweep"]:
-        md += ["", f"Prefill tile sweep at {r['q_len']} tokens (ms; stock {r['ms']['stock']:.4g}):",
+        shape = (f"prefill {r['q_len']} tokens" if r["q_len"] > 1
+                 else f"decode {r['num_seqs']} x {r['context'] + 1}")
+        md += ["", f"Tile sweep, {shape} (ms; stock {r['ms']['stock']:.4g}):",
                ""] + [f"- {k}: {v:.4g} ({v / r['ms']['stock']:.3f} of stock)"
                       for k, v in sorted(r["ms"].items(), key=lambda kv: kv[1])]
     bad = {f"{r['num_seqs']}x{r['q_len']}+{r['context']}": r["errors"]

@@ -81,6 +81,32 @@ def _rotate_pair(k1, k2, cos, sin):
 
 
 @triton.jit
+def _load_k_tile(j, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
+                 k_stride_0, k_stride_1, k_stride_2, k_stride_3,
+                 BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr):
+    """Tile j's K pair halves, each (ROT_HALF_PADDED, TILE_SIZE); keys >= kv_end read as 0."""
+    offs_t = j * TILE_SIZE + tl.arange(0, TILE_SIZE)
+    t_mask = offs_t < kv_end
+    block = tl.load(block_table_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    k_base = (k_cache_ptr + block * k_stride_0 + (offs_t % BLOCK_SIZE).to(tl.int64) * k_stride_1
+              + kv_head * k_stride_2)
+    kr_mask = r_mask[:, None] & t_mask[None, :]
+    k1 = tl.load(k_base[None, :] + dim_1[:, None] * k_stride_3, mask=kr_mask, other=0.0)
+    k2 = tl.load(k_base[None, :] + dim_2[:, None] * k_stride_3, mask=kr_mask, other=0.0)
+    return k1, k2
+
+
+@triton.jit
+def _load_cos_sin(j, kv_end, cos_sin_ptr, offs_r, r_mask, cos_sin_stride,
+                  TILE_SIZE: tl.constexpr, ROT_HALF: tl.constexpr):
+    """cos and sin of tile j's key positions, each (ROT_HALF_PADDED, TILE_SIZE) fp32."""
+    offs_t = j * TILE_SIZE + tl.arange(0, TILE_SIZE)
+    mask = r_mask[:, None] & (offs_t < kv_end)[None, :]
+    cs = cos_sin_ptr + offs_t[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
+    return tl.load(cs, mask=mask, other=0.0), tl.load(cs + ROT_HALF, mask=mask, other=0.0)
+
+
+@triton.jit
 def minipic_attention_kernel(
     out_ptr,  # [tokens, q_heads, head_size]
     q_ptr,  # [tokens, q_heads, head_size], rotated
@@ -125,6 +151,7 @@ def minipic_attention_kernel(
     BLOCK_M: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     IS_3D: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -194,21 +221,39 @@ def minipic_attention_kernel(
     block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
     query_abs_pos = context_len + q_pos
 
+    # Keys this program reads: the causal bound, and its segment's end in 3D.
+    kv_end = tl.minimum(kv_hi, tile_hi * TILE_SIZE)
+    if PREFETCH:
+        # Software pipelining by hand: the rotation consumes K in registers, so
+        # Triton's pipeliner (which stages dot operands) does not prefetch it.
+        k1_next, k2_next = _load_k_tile(
+            tile_lo, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
+            k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
+        if ROPE_MODE == 1:
+            cos_next, sin_next = _load_cos_sin(tile_lo, kv_end, cos_sin_ptr, offs_r, r_mask,
+                                               cos_sin_stride, TILE_SIZE, ROT_HALF)
     for j in range(tile_lo, tile_hi):
         offs_t = j * TILE_SIZE + tl.arange(0, TILE_SIZE)  # logical key positions
-        t_mask = offs_t < kv_hi
+        t_mask = offs_t < kv_end
         block = tl.load(block_table_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         slot = (offs_t % BLOCK_SIZE).to(tl.int64)
-
-        # K pair halves as (ROT_HALF_PADDED, TILE_SIZE) tiles.
-        k_base = k_cache_ptr + block * k_stride_0 + slot * k_stride_1 + kv_head * k_stride_2
-        kr_mask = r_mask[:, None] & t_mask[None, :]
-        k1 = tl.load(k_base[None, :] + dim_1[:, None] * k_stride_3, mask=kr_mask, other=0.0)
-        k2 = tl.load(k_base[None, :] + dim_2[:, None] * k_stride_3, mask=kr_mask, other=0.0)
+        if PREFETCH:  # take tile j, start loading tile j+1 (past the end: all masked)
+            k1, k2 = k1_next, k2_next
+            k1_next, k2_next = _load_k_tile(
+                j + 1, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
+                k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
+            if ROPE_MODE == 1:
+                cos, sin = cos_next, sin_next
+                cos_next, sin_next = _load_cos_sin(j + 1, kv_end, cos_sin_ptr, offs_r, r_mask,
+                                                   cos_sin_stride, TILE_SIZE, ROT_HALF)
+        else:
+            k1, k2 = _load_k_tile(
+                j, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
+                k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
+            if ROPE_MODE == 1:
+                cos, sin = _load_cos_sin(j, kv_end, cos_sin_ptr, offs_r, r_mask, cos_sin_stride,
+                                         TILE_SIZE, ROT_HALF)
         if ROPE_MODE == 1:
-            cs = cos_sin_ptr + offs_t[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
-            cos = tl.load(cs, mask=kr_mask, other=0.0)
-            sin = tl.load(cs + ROT_HALF, mask=kr_mask, other=0.0)
             r1, r2 = _rotate_pair(k1, k2, cos, sin)
             k1, k2 = r1.to(q1.dtype), r2.to(q1.dtype)
         elif ROPE_MODE == 2:
@@ -222,6 +267,7 @@ def minipic_attention_kernel(
         else:
             k1 = k1.to(q1.dtype)
             k2 = k2.to(q1.dtype)
+        k_base = k_cache_ptr + block * k_stride_0 + slot * k_stride_1 + kv_head * k_stride_2
 
         S = tl.dot(q1, k1)
         S = tl.dot(q2, k2, S)
@@ -314,6 +360,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     rope_mode: int = ROPE_TABLE
+    prefetch: bool = False  # load tile j+1's K (and cos/sin) while tile j is computed
 
 
 # Decode and short chunks: the stock kernel's shapes (16 rows, 32-key tiles;
@@ -324,15 +371,19 @@ DECODE_3D = LaunchConfig(block_m=16, tile_size=16)
 # in proportion to the number of q-blocks; large q-blocks amortise it (and feed
 # the tensor cores larger dots).
 PREFILL = LaunchConfig(block_m=128, tile_size=64, num_warps=8, num_stages=3)
+# Head dims above 128: PREFILL's tiles overflow shared memory (seen at 256).
+PREFILL_LARGE_HEAD = LaunchConfig(block_m=64, tile_size=32, num_warps=8, num_stages=2)
 # Batches whose longest query is at least this many tokens launch PREFILL.
 PREFILL_MIN_QUERY_LEN = 128
 NUM_SEGMENTS = 16
 
 
-def choose_config(max_seqlen_q: int, use_3d: bool) -> LaunchConfig:
+def choose_config(max_seqlen_q: int, use_3d: bool, head_size: int = 128) -> LaunchConfig:
     if use_3d:
         return DECODE_3D
-    return PREFILL if max_seqlen_q >= PREFILL_MIN_QUERY_LEN else DECODE_2D
+    if max_seqlen_q < PREFILL_MIN_QUERY_LEN:
+        return DECODE_2D
+    return PREFILL if head_size <= 128 else PREFILL_LARGE_HEAD
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -391,7 +442,7 @@ def unified_attention_rope(
         and max_seqlen_q <= 1 and num_seqs <= seq_threshold_3d
     )
     if config is None:
-        config = choose_config(max_seqlen_q, use_3d)
+        config = choose_config(max_seqlen_q, use_3d, head_size)
     block_m = max(config.block_m, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     # Upper bound on sum_i ceil(q_len_i / block_q), known without a device read.
@@ -428,6 +479,7 @@ def unified_attention_rope(
         BLOCK_M=block_m,
         NUM_SEGMENTS=num_segments,
         IS_3D=use_3d,
+        PREFETCH=config.prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -79,14 +79,15 @@ def test_head_grouping(batch, num_q_heads, num_kv_heads):
     check(batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("rope_mode", [tk.ROPE_TABLE, tk.ROPE_ANGLE_ADD], ids=["table", "angle"])
 @pytest.mark.parametrize("config", [tk.PREFILL, tk.DECODE_2D, tk.DECODE_3D,
                                     tk.LaunchConfig(block_m=64, tile_size=64)],
                          ids=["prefill", "decode2d", "decode3d", "m64t64"])
-def test_launch_configs_and_rope_modes(config, rope_mode):
+def test_launch_configs_and_rope_modes(config, rope_mode, prefetch):
     import dataclasses
 
-    config = dataclasses.replace(config, rope_mode=rope_mode)
+    config = dataclasses.replace(config, rope_mode=rope_mode, prefetch=prefetch)
     for batch in ("mixed_long", "decode_split"):
         check(batch, config=config)
 
