@@ -1,0 +1,82 @@
+"""An OpenAI-compatible vLLM server, through the `openai` package's async client.
+
+Prompts go to /v1/completions as token ids, so the server never re-tokenizes
+(re-tokenizing text could move or drop the span markers). Cached tokens come
+back in `usage.prompt_tokens_details.cached_tokens`, which vLLM only fills
+when started with `--enable-prompt-tokens-details`; without it the tools
+still work but cannot tell hits from misses.
+
+The server does not publish its KV block size: pass the one it runs with
+(`--block-size`, 16 by default on GPU). The tokenizer is loaded locally
+(transformers) from `tokenizer`, or else from the served model's name.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from minipic.client.backends.base import Completion
+from minipic.protocol import SpanProtocol
+
+
+def _api_base(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else f"{url}/v1"
+
+
+class OpenAIServerBackend:
+    def __init__(self, client: Any, model: str, *, block_size: int | None = None,
+                 tokenizer: str | None = None, protocol: SpanProtocol | None = None):
+        self.client = client
+        self.model = model
+        self.block_size = block_size
+        self._tokenizer_name = tokenizer or model
+        self._tokenizer: Any = None
+        self._protocol = protocol
+
+    @classmethod
+    async def connect(cls, url: str, *, model: str | None = None, api_key: str | None = None,
+                      block_size: int | None = None, tokenizer: str | None = None,
+                      protocol: SpanProtocol | None = None,
+                      timeout_s: float = 600.0) -> "OpenAIServerBackend":
+        """`model` defaults to the server's first (usually only) served model."""
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=_api_base(url), api_key=api_key or "EMPTY",
+                                    timeout=timeout_s)
+        if model is None:
+            models = await client.models.list()
+            if not models.data:
+                raise RuntimeError(f"the server at {url} serves no model")
+            model = models.data[0].id
+        return cls(client, model, block_size=block_size, tokenizer=tokenizer, protocol=protocol)
+
+    def get_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
+        return self._tokenizer
+
+    def span_protocol(self) -> SpanProtocol:
+        # The server's minipic config is not visible from here: explicit ids
+        # (given to the constructor) or the tokenizer's defaults, as on the server.
+        return self._protocol or SpanProtocol.from_tokenizer(self.get_tokenizer())
+
+    async def complete(self, prompt: Sequence[int], *, max_tokens: int,
+                       temperature: float = 0.0) -> Completion:
+        started_at = time.monotonic()
+        response = await self.client.completions.create(
+            model=self.model, prompt=list(prompt), max_tokens=max_tokens,
+            temperature=temperature)
+        usage = response.usage
+        details = getattr(usage, "prompt_tokens_details", None) if usage else None
+        return Completion(
+            text=response.choices[0].text,
+            prompt_tokens=usage.prompt_tokens if usage else len(prompt),
+            cached_tokens=getattr(details, "cached_tokens", None),
+            started_at=started_at, finished_at=time.monotonic())
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -1,0 +1,193 @@
+"""Preload a corpus: documents -> spans -> prefilled into the engine's span store.
+
+The steps of `minipic-preload`, usable from Python with any backend:
+
+    report = await preload("corpus/", backend, manifest_path="m.parquet")
+
+1. read the corpus (corpus.py); a bad file or record becomes a problem, never a crash;
+2. cut every document into spans (document_spans.py); identical spans are prefilled once;
+3. prefill the spans, `concurrency` at a time, each learning whether it was
+   already stored (span_prefill.py), so a re-run redoes no work: a stored span
+   costs one token; with `trust_manifest` it costs no request at all;
+4. write the manifest (manifest.py), also when interrupted: what was stored stays
+   stored in the engine, and the manifest says which spans got there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from minipic.client.backends.base import CompletionBackend
+from minipic.client.corpus import CorpusProblem, Document, IgnoredFile, iter_corpus
+from minipic.client.document_spans import DEFAULT_SPAN_TOKENS, document_spans, span_key, span_window
+from minipic.client.manifest import (
+    FAILED, NEW, PENDING, PREFILLED, STORED, Manifest, ManifestError, ManifestInfo, SpanRecord,
+)
+from minipic.client.span_prefill import SpanPrefill, prefill_span
+from minipic.client.span_prompt import SpanPromptError
+
+
+@dataclasses.dataclass
+class PreloadReport:
+    documents: int = 0
+    spans: int = 0  # distinct spans
+    tokens: int = 0  # tokens of the distinct spans
+    status_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    trusted_from_manifest: int = 0  # spans skipped without a request
+    problems: list[CorpusProblem] = dataclasses.field(default_factory=list)
+    failed_spans: list[CorpusProblem] = dataclasses.field(default_factory=list)
+    ignored_files: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    manifest_path: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Nothing was skipped for a problem and nothing failed."""
+        return not self.problems and not self.failed_spans and not self.count(PENDING)
+
+    def count(self, status: str) -> int:
+        return self.status_counts.get(status, 0)
+
+
+@dataclasses.dataclass
+class _Work:
+    """Everything one run prefills: records per document span, distinct spans by key."""
+
+    records: list[SpanRecord]
+    spans: dict[str, list[int]]
+
+
+async def preload(corpus: str | os.PathLike, backend: CompletionBackend, *,
+                  manifest_path: str | os.PathLike | None = "minipic-manifest.parquet",
+                  span_tokens: int = DEFAULT_SPAN_TOKENS, concurrency: int = 32,
+                  text_field: str = "text", id_field: str | None = None,
+                  trust_manifest: bool = False, progress: bool = True) -> PreloadReport:
+    started = time.monotonic()
+    info = _manifest_info(backend, span_tokens)
+    report = PreloadReport(manifest_path=None if manifest_path is None else str(manifest_path))
+    work = _spans_of_corpus(corpus, backend.get_tokenizer(), info, text_field, id_field, report)
+    outcomes: dict[str, SpanPrefill | str] = {}  # by span key; str: a status without a request
+    if trust_manifest and manifest_path is not None:
+        outcomes.update(_trusted_spans(manifest_path, info))
+        report.trusted_from_manifest = sum(1 for k in work.spans if k in outcomes)
+    try:
+        todo = {k: s for k, s in work.spans.items() if k not in outcomes}
+        await _prefill_all(backend, info, todo, outcomes, concurrency, progress)
+    finally:
+        records = [_with_outcome(r, outcomes.get(r.span_key)) for r in work.records]
+        _summarise(report, records, work, started)
+        if manifest_path is not None:
+            Manifest(info, records).write(manifest_path)
+    return report
+
+
+def _manifest_info(backend: CompletionBackend, span_tokens: int) -> ManifestInfo:
+    if backend.block_size is None:
+        raise SpanPromptError("the engine's KV block size is unknown: pass it (--block-size)")
+    return ManifestInfo(model=backend.model, block_size=backend.block_size,
+                        span_tokens=span_window(span_tokens, backend.block_size),
+                        protocol=backend.span_protocol())
+
+
+def _spans_of_corpus(corpus: Any, tokenizer: Any, info: ManifestInfo, text_field: str,
+                     id_field: str | None, report: PreloadReport) -> _Work:
+    work = _Work([], {})
+    for item in iter_corpus(corpus, text_field=text_field, id_field=id_field):
+        if isinstance(item, IgnoredFile):
+            report.ignored_files.append(item.source)
+        elif isinstance(item, CorpusProblem):
+            report.problems.append(item)
+        else:
+            _add_document(work, item, tokenizer, info, report)
+    return work
+
+
+def _add_document(work: _Work, doc: Document, tokenizer: Any, info: ManifestInfo,
+                  report: PreloadReport) -> None:
+    try:
+        spans = document_spans(doc.text, protocol=info.protocol, block_size=info.block_size,
+                               span_tokens=info.span_tokens, tokenizer=tokenizer,
+                               where=doc.doc_id)
+    except SpanPromptError as e:  # e.g. the text spells out a marker token
+        report.problems.append(CorpusProblem(doc.doc_id, str(e)))
+        return
+    report.documents += 1
+    for index, span in enumerate(spans):
+        key = span_key(span)
+        work.spans.setdefault(key, span)
+        work.records.append(SpanRecord(doc.doc_id, doc.source, index, len(spans), key, span))
+
+
+def _trusted_spans(manifest_path: Any, info: ManifestInfo) -> dict[str, str]:
+    """Spans an earlier run with the same layout saw reach the engine."""
+    if not os.path.exists(manifest_path):
+        return {}
+    previous = Manifest.read(manifest_path)
+    if previous.info != info:
+        raise ManifestError(f"{manifest_path} was written for {previous.info}, not {info}: "
+                            "drop --trust-manifest or use another --manifest")
+    return {key: STORED for key in previous.keys_with_status(NEW, STORED, PREFILLED)}
+
+
+async def _prefill_all(backend: CompletionBackend, info: ManifestInfo,
+                       spans: dict[str, list[int]], outcomes: dict[str, Any],
+                       concurrency: int, progress: bool) -> None:
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in spans.items():
+        queue.put_nowait(item)
+    total_tokens = sum(len(s) for s in spans.values())
+    bar = tqdm(total=len(spans), unit="span", disable=not progress, dynamic_ncols=True)
+    started, done_tokens = time.monotonic(), 0
+
+    async def worker() -> None:
+        nonlocal done_tokens
+        while not queue.empty():
+            key, span = queue.get_nowait()
+            try:
+                outcomes[key] = await prefill_span(backend, span, info.protocol)
+            except Exception as e:  # recorded per span; the others go on
+                outcomes[key] = e
+            done_tokens += len(span)
+            bar.update(1)
+            rate = done_tokens / max(time.monotonic() - started, 1e-9)
+            bar.set_postfix_str(f"{rate:,.0f} tok/s, {done_tokens:,}/{total_tokens:,} tok",
+                                refresh=False)
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(max(1, concurrency))]
+    try:
+        await asyncio.gather(*workers)
+    finally:
+        for w in workers:
+            w.cancel()
+        bar.close()
+
+
+def _with_outcome(record: SpanRecord, outcome: SpanPrefill | BaseException | str | None
+                  ) -> SpanRecord:
+    if outcome is None:
+        return record  # pending: the run stopped first
+    if isinstance(outcome, str):
+        return dataclasses.replace(record, status=outcome)
+    if isinstance(outcome, BaseException):
+        return dataclasses.replace(record, status=FAILED,
+                                   error=f"{type(outcome).__name__}: {outcome}")
+    status = {None: PREFILLED, True: STORED, False: NEW}[outcome.already_stored]
+    return dataclasses.replace(record, status=status, cached_tokens=outcome.cached_tokens)
+
+
+def _summarise(report: PreloadReport, records: list[SpanRecord], work: _Work,
+               started: float) -> None:
+    by_key = {r.span_key: r for r in records}
+    report.spans = len(work.spans)
+    report.tokens = sum(len(s) for s in work.spans.values())
+    for record in by_key.values():
+        report.status_counts[record.status] = report.status_counts.get(record.status, 0) + 1
+    report.failed_spans = [CorpusProblem(f"{r.doc_id} span {r.span_index}", r.error or "failed")
+                           for r in records if r.status == FAILED]
+    report.seconds = time.monotonic() - started
