@@ -22,7 +22,8 @@ class FakeBackend:
     model = "fake-model"
     block_size = BLOCK
 
-    def __init__(self, *, delay_s: float = 0.01, fail_if=lambda prompt: False):
+    def __init__(self, *, delay_s: float = 0.01, fail_if=lambda prompt: False, tokenizer=None):
+        self.tokenizer = tokenizer
         self.delay_s = delay_s
         self.fail_if = fail_if
         self.done: list[list[int]] = []  # prompts in the order they finished
@@ -30,7 +31,7 @@ class FakeBackend:
         self.in_flight = self.max_in_flight = 0
 
     def get_tokenizer(self):
-        return None
+        return self.tokenizer
 
     def span_protocol(self) -> SpanProtocol:
         return PROTOCOL

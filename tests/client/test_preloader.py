@@ -1,0 +1,128 @@
+"""Preload and the RAG client against a fake engine: statuses, re-runs, problems, interrupts."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+from fake_backend import FakeBackend
+
+from minipic.client.manifest import FAILED, NEW, PENDING, STORED, Manifest
+from minipic.client.preload import format_problems, format_summary
+from minipic.client.preloader import preload
+from minipic.client.rag_client import DocRef, RagClient
+
+EXAMPLES = Path(__file__).parents[2] / "examples" / "corpus"
+EXAMPLE_IDS = sorted(["books.parquet#tale-of-two-cities", "books.parquet#don-quixote",
+               "books.parquet#faust", "cities/paris.md", "cities/rome.txt",
+               "rivers.jsonl#nile", "rivers.jsonl#rhine", "rivers.jsonl#thames"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from minipic.devtools.tiny_llama import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def run_preload(corpus, backend, manifest, **kwargs):
+    return asyncio.run(preload(corpus, backend, manifest_path=manifest, id_field="id",
+                               progress=False, concurrency=4, **kwargs))
+
+
+def test_example_corpus_then_a_resumed_run(tokenizer, tmp_path):
+    backend, manifest = FakeBackend(tokenizer=tokenizer, delay_s=0), tmp_path / "m.parquet"
+    first = run_preload(EXAMPLES, backend, manifest, span_tokens=64)
+    assert first.ok and first.documents == len(EXAMPLE_IDS) and not first.problems
+    assert first.count(NEW) == first.spans > len(EXAMPLE_IDS)  # long documents: several spans
+    written = Manifest.read(manifest)
+    assert sorted(written.doc_ids()) == EXAMPLE_IDS
+    assert written.info.span_tokens == 64 and written.info.block_size == backend.block_size
+
+    sent = len(backend.done)
+    again = run_preload(EXAMPLES, backend, manifest, span_tokens=64)
+    assert again.ok and again.count(STORED) == again.spans and again.count(NEW) == 0
+    assert len(backend.done) == sent + again.spans  # one probe each, one token of work
+
+    trusted = run_preload(EXAMPLES, backend, manifest, span_tokens=64, trust_manifest=True)
+    assert trusted.trusted_from_manifest == trusted.spans == trusted.count(STORED)
+    assert len(backend.done) == sent + again.spans  # no request at all
+    assert "0 new" in format_summary(trusted)
+
+
+def test_bad_inputs_are_reported_and_the_rest_preloaded(tokenizer, tmp_path):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(EXAMPLES, corpus)
+    (corpus / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (corpus / "empty.md").write_text("")
+    (corpus / "marker.txt").write_text("a <|reserved_special_token_0|> inside the text")
+    (corpus / "rivers.jsonl").open("a").write('{"title": "no text"}\n')
+    report = run_preload(corpus, FakeBackend(tokenizer=tokenizer, delay_s=0),
+                         tmp_path / "m.parquet")
+    assert not report.ok and report.documents == len(EXAMPLE_IDS)
+    assert {p.where for p in report.problems} == {"latin1.txt", "empty.md", "marker.txt",
+                                                  "rivers.jsonl:4"}
+    listed = format_problems(report)
+    assert "latin1.txt: not UTF-8" in listed and "SSep" in listed
+    assert sorted(Manifest.read(tmp_path / "m.parquet").doc_ids()) == EXAMPLE_IDS
+
+
+def test_a_failed_span_is_recorded_and_retried(tokenizer, tmp_path):
+    [capital] = tokenizer.encode("capital", add_special_tokens=False)  # paris.md, rome.txt
+    failing = FakeBackend(tokenizer=tokenizer, delay_s=0, fail_if=lambda p: capital in p)
+    report = run_preload(EXAMPLES, failing, tmp_path / "m.parquet")
+    assert not report.ok and report.count(FAILED) == 2
+    failed = [r for r in Manifest.read(tmp_path / "m.parquet").records if r.status == FAILED]
+    assert failed and all("refused by the fake engine" in r.error for r in failed)
+    assert {r.doc_id for r in failed} == {"cities/paris.md", "cities/rome.txt"}
+    assert [f.where for f in report.failed_spans] == ["cities/paris.md span 0",
+                                                      "cities/rome.txt span 0"]
+
+    failing.fail_if = lambda p: False  # the engine is fine again: only the failures are new
+    again = run_preload(EXAMPLES, failing, tmp_path / "m.parquet")
+    assert again.ok and again.count(NEW) == report.count(FAILED)
+
+
+def test_an_interrupted_run_still_writes_its_manifest(tokenizer, tmp_path):
+    backend = FakeBackend(tokenizer=tokenizer, delay_s=0.05)
+
+    async def interrupted():
+        task = asyncio.ensure_future(preload(EXAMPLES, backend, manifest_path=tmp_path / "m.parquet",
+                                             progress=False, concurrency=1, span_tokens=64))
+        await asyncio.sleep(0.12)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(interrupted())
+    statuses = [r.status for r in Manifest.read(tmp_path / "m.parquet").records]
+    assert NEW in statuses and PENDING in statuses
+
+
+def test_rag_client_hits_what_preload_stored(tokenizer, tmp_path):
+    backend = FakeBackend(tokenizer=tokenizer, delay_s=0)
+    run_preload(EXAMPLES, backend, tmp_path / "m.parquet")
+    client = RagClient(backend, system="you are a helpful assistant .",
+                       manifest=Manifest.read(tmp_path / "m.parquet"))
+    question, refs = "what is the capital of france ?", [DocRef("rivers.jsonl#nile"),
+                                                          DocRef("cities/paris.md")]
+    texts = [(EXAMPLES / "rivers.jsonl").read_text().splitlines()[0],
+             (EXAMPLES / "cities" / "paris.md").read_text()]
+
+    async def ask():
+        alone = await client.ask("who wrote it ?", refs, prefill_spans=False)
+        by_id = await client.ask(question, refs)
+        return alone, by_id
+
+    alone, by_id = asyncio.run(ask())
+    # Hits run from block 0: with the system prompt never prefilled, nothing hits.
+    assert alone.cached_tokens == 0 < alone.expected_cached_tokens
+    # With spans prefilled first (the header for real, the documents by a one-token probe).
+    assert by_id.cached_tokens == by_id.expected_cached_tokens
+    assert all(s.already_stored for s in by_id.spans)
+    # Text cut by the client is token for token what preload stored.
+    import json
+    nile = json.loads(texts[0])["text"]
+    assert client.prompt(question, [nile, texts[1]]) == by_id.request.prompt
