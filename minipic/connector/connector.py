@@ -41,9 +41,29 @@ def check_engine_config(vllm_config: Any) -> None:
     check_hash_algo(cache.prefix_caching_hash_algo)
 
 
+def check_minipic_active(role: KVConnectorRole) -> None:
+    """minipic's plugin must have patched this process, or the store would get
+    stock hashes (scheduler) or rotated K (worker) under minipic's namespace.
+    It marks each wrapper with `__minipic_original__` (minipic/_vllm_patches.py)."""
+    if role == KVConnectorRole.SCHEDULER:
+        from vllm.v1.core import kv_cache_utils as module
+
+        patched = module.get_request_block_hasher
+    else:
+        from vllm.v1.attention import selector as module
+
+        patched = module.get_attn_backend
+    if getattr(patched, "__minipic_original__", None) is None:
+        raise ConnectorConfigError(
+            "MiniPICConnector needs minipic's vLLM plugin in every vLLM process; it is not "
+            "loaded here (is minipic installed in this environment, and 'minipic' in "
+            "VLLM_PLUGINS if you set it?)")
+
+
 class MiniPICConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         apply_offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        check_minipic_active(role)
         if role == KVConnectorRole.SCHEDULER:
             check_engine_config(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
