@@ -20,7 +20,11 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
 from minipic.attention.rope import current_rope
-from minipic.attention.triton_kernel import check_rope, unified_attention_rope
+from minipic.attention.triton_kernel import (
+    angle_addition_holds,
+    check_rope,
+    unified_attention_rope,
+)
 
 # Quantised caches would need dequantisation before the rotation: not implemented.
 _SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
@@ -82,6 +86,7 @@ class MiniPICTritonImpl(TritonAttentionImpl):
         # The layer must not hand us fp8 queries or expect fused output quantisation.
         self.supports_quant_query_input = False
         self._cos_sin: torch.Tensor | None = None
+        self._angle_addition_ok = False
 
     def fused_output_quant_supported(self, quant_key) -> bool:
         return False
@@ -121,6 +126,7 @@ class MiniPICTritonImpl(TritonAttentionImpl):
             rotary_dim=rope.rotary_dim, is_neox_style=rope.is_neox_style,
             segm_output=md.softmax_segm_output, segm_max=md.softmax_segm_max,
             segm_expsum=md.softmax_segm_expsum, seq_threshold_3d=md.seq_threshold_3D,
+            allow_angle_addition=self._angle_addition_ok,
         )
         return output
 
@@ -133,8 +139,20 @@ class MiniPICTritonImpl(TritonAttentionImpl):
                     f"rotary head size {rope.head_size} != attention head size {self.head_size}")
             table = rope.cos_sin(device)
             check_rope(self.head_size, rope.rotary_dim, table)
+            self._angle_addition_ok = _angle_addition_holds_cached(table)
             self._cos_sin = table
         return self._cos_sin
+
+
+_angle_checked: dict[tuple[int, tuple[int, ...]], bool] = {}
+
+
+def _angle_addition_holds_cached(table: torch.Tensor) -> bool:
+    """Once per table (layers share it). Reads the table back: load time, never in a forward."""
+    key = (table.data_ptr(), tuple(table.shape))
+    if key not in _angle_checked:
+        _angle_checked[key] = angle_addition_holds(table)
+    return _angle_checked[key]
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -363,14 +363,17 @@ class LaunchConfig:
     prefetch: bool = False  # load tile j+1's K (and cos/sin) while tile j is computed
 
 
-# Decode and short chunks: the stock kernel's shapes (16 rows, 32-key tiles;
-# 16-key tiles when KV is split over 16 segments).
-DECODE_2D = LaunchConfig(block_m=16, tile_size=32)
-DECODE_3D = LaunchConfig(block_m=16, tile_size=16)
+# Launch shapes, chosen from the tile sweeps on an H200 (docs/kernel.md).
+# Split-KV decode (<= seq_threshold_3d requests): 32-key tiles (stock uses 16).
+DECODE_3D = LaunchConfig(block_m=16, tile_size=32)
+# Larger decode batches and short chunks: wide tiles, K prefetched by hand, and
+# cos/sin by angle addition (one table row per tile instead of 64): there the
+# kernel is bound by instruction issue, not by memory.
+DECODE_2D = LaunchConfig(block_m=16, tile_size=64, rope_mode=ROPE_ANGLE_ADD, prefetch=True)
 # Prefill: every q-block rotates every K tile it reads, so the rotation costs
 # in proportion to the number of q-blocks; large q-blocks amortise it (and feed
 # the tensor cores larger dots).
-PREFILL = LaunchConfig(block_m=128, tile_size=64, num_warps=8, num_stages=3)
+PREFILL = LaunchConfig(block_m=128, tile_size=64, num_warps=8, num_stages=2, prefetch=True)
 # Head dims above 128: PREFILL's tiles overflow shared memory (seen at 256).
 PREFILL_LARGE_HEAD = LaunchConfig(block_m=64, tile_size=32, num_warps=8, num_stages=2)
 # Batches whose longest query is at least this many tokens launch PREFILL.
@@ -384,6 +387,24 @@ def choose_config(max_seqlen_q: int, use_3d: bool, head_size: int = 128) -> Laun
     if max_seqlen_q < PREFILL_MIN_QUERY_LEN:
         return DECODE_2D
     return PREFILL if head_size <= 128 else PREFILL_LARGE_HEAD
+
+
+def angle_addition_holds(cos_sin: torch.Tensor, tile: int = 64, atol: float = 2e-2) -> bool:
+    """Whether the table is a*cos(p w), a*sin(p w), as ROPE_ANGLE_ADD assumes (host sync: init only).
+
+    The tolerance covers the table's own fp32 rounding of p*w at large p (about
+    ulp(p)); a table of another form is off by O(1).
+    """
+    rows = cos_sin.shape[0] // tile * tile
+    half = cos_sin.shape[1] // 2
+    c, s = cos_sin[:rows].double().view(-1, tile, 2 * half).split(half, dim=-1)
+    a = cos_sin[0, :half].double()
+    if rows == 0 or bool((a == 0).any()):
+        return False
+    c0, s0, ct, st = c[:, :1], s[:, :1], c[:1], s[:1]
+    err = torch.maximum(((c0 * ct - s0 * st) / a - c).abs().amax(),
+                        ((s0 * ct + c0 * st) / a - s).abs().amax())
+    return bool(err <= atol * a.abs().max())
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -418,6 +439,7 @@ def unified_attention_rope(
     segm_expsum: torch.Tensor | None = None,
     seq_threshold_3d: int | None = None,
     config: LaunchConfig | None = None,
+    allow_angle_addition: bool = True,
 ) -> torch.Tensor:
     """Causal paged attention of rotated `q` over unrotated K, rotating K per tile.
 
@@ -427,7 +449,8 @@ def unified_attention_rope(
     (its cached prefix first), key j at logical position j. Decode batches of at
     most `seq_threshold_3d` requests split KV over the static `segm_*` buffers
     (vLLM's Triton metadata builder allocates them). Host-side work is shape
-    arithmetic only, so the launch can be captured in a CUDA graph.
+    arithmetic only, so the launch can be captured in a CUDA graph. Pass
+    `allow_angle_addition=False` for a table `angle_addition_holds` rejects.
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -443,6 +466,8 @@ def unified_attention_rope(
     )
     if config is None:
         config = choose_config(max_seqlen_q, use_3d, head_size)
+    if config.rope_mode == ROPE_ANGLE_ADD and not allow_angle_addition:
+        config = dataclasses.replace(config, rope_mode=ROPE_TABLE)
     block_m = max(config.block_m, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     # Upper bound on sum_i ceil(q_len_i / block_q), known without a device read.
