@@ -19,3 +19,16 @@ __all__ = [
     "check_block_size", "check_span", "epic", "epic_document", "make_span", "make_task",
     "pad_to_block", "tokens_prompt",
 ]
+
+# Client tools (this package's other modules): RAG client, ISPS and the barrier
+# strategy, preload manifest, engine backends. `minipic-preload` is preload.py.
+from minipic.client.barrier import BatchedScheduler  # noqa: E402
+from minipic.client.isps import InterleavedScheduler  # noqa: E402
+from minipic.client.manifest import Manifest  # noqa: E402
+from minipic.client.rag_client import DocRef, RagClient  # noqa: E402
+from minipic.client.rag_request import RagRequest, RagResult, SpanPrefillFailed  # noqa: E402
+
+__all__ += [
+    "BatchedScheduler", "DocRef", "InterleavedScheduler", "Manifest", "RagClient", "RagRequest",
+    "RagResult", "SpanPrefillFailed",
+]

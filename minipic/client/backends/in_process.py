@@ -8,6 +8,7 @@ markers the engine hashes with.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from typing import Any, Sequence
@@ -93,7 +94,9 @@ class LLMBackend:
         vllm_config = llm.llm_engine.vllm_config
         self.model = vllm_config.model_config.model
         self.block_size = vllm_config.cache_config.block_size
-        self._lock = asyncio.Lock()
+        # A thread lock, not an asyncio one: the backend may outlive an event loop
+        # (one asyncio.run per call), and the lock is held in the worker thread.
+        self._lock = threading.Lock()
 
     def get_tokenizer(self) -> Any:
         return self.llm.get_tokenizer()
@@ -105,12 +108,16 @@ class LLMBackend:
                        temperature: float = 0.0) -> Completion:
         from vllm.inputs import TokensPrompt
 
-        async with self._lock:
-            started_at = time.monotonic()
-            [output] = await asyncio.to_thread(
-                self.llm.generate, [TokensPrompt(prompt_token_ids=list(prompt))],
-                _sampling_params(max_tokens, temperature), use_tqdm=False)
+        params = _sampling_params(max_tokens, temperature)
+        started_at = time.monotonic()
+        output = await asyncio.to_thread(self._generate_one, TokensPrompt(
+            prompt_token_ids=list(prompt)), params)
         return _completion(output, len(prompt), started_at)
+
+    def _generate_one(self, prompt: Any, params: Any) -> Any:
+        with self._lock:
+            [output] = self.llm.generate([prompt], params, use_tqdm=False)
+        return output
 
     async def close(self) -> None:
         pass  # the caller made the LLM and stops it
