@@ -81,8 +81,11 @@ class AsyncLLMBackend:
         return _completion(final, len(prompt), started_at)
 
     async def close(self) -> None:
-        if self._owns_engine:
-            self.engine.shutdown()
+        if self._owns_engine and self.engine is not None:
+            # Drop our reference too: a stopped AsyncLLM kept alive until
+            # interpreter exit fails in its __del__ (vLLM's globals are gone).
+            engine, self.engine = self.engine, None
+            engine.shutdown()
 
 
 class LLMBackend:

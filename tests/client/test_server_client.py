@@ -1,0 +1,142 @@
+"""The client tools against a real OpenAI-compatible vLLM server (one start, CPU, minipic on).
+
+The server runs `python -m vllm.entrypoints.openai.api_server` with
+`--additional-config '{"minipic": {}}'` and `--enable-prompt-tokens-details`,
+which makes vLLM report cached prompt tokens in the completions' usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import BLOCK_SIZE
+
+from minipic.client.backends import OpenAIServerBackend
+from minipic.client.isps import InterleavedScheduler
+from minipic.client.manifest import Manifest
+from minipic.client.preload import main
+from minipic.client.rag_client import DocRef, RagClient
+from minipic.client.rag_request import RagRequest
+from minipic.client.recipes import block_attention
+
+pytestmark = pytest.mark.engine
+EXAMPLES = Path(__file__).parents[2] / "examples" / "corpus"
+MAX_MODEL_LEN = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url(tiny_model, tmp_path_factory):
+    port, log_path = free_port(), tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
+             "--port", str(port), "--block-size", str(BLOCK_SIZE), "--dtype", "float32",
+             "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
+             "--gpu-memory-utilization", "0.1", "--enable-prompt-tokens-details",
+             "--additional-config", json.dumps({"minipic": {}})],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+@pytest.fixture(scope="module")
+def manifest(url, tmp_path_factory):
+    return tmp_path_factory.mktemp("preload") / "manifest.parquet"
+
+
+def preload_cli(url, manifest):
+    return main([str(EXAMPLES), "--url", url, "--block-size", str(BLOCK_SIZE), "--manifest",
+                 str(manifest), "--id-field", "id", "--no-progress"])
+
+
+def test_preload_over_the_server_then_again(url, manifest, capfd):
+    assert preload_cli(url, manifest) == 0
+    out, _ = capfd.readouterr()
+    spans = len({r.span_key for r in Manifest.read(manifest).records})
+    assert "documents  8 read" in out and f"{spans} new, 0 already stored, 0 failed" in out
+
+    assert preload_cli(url, manifest) == 0
+    out, _ = capfd.readouterr()
+    assert f"0 new, {spans} already stored, 0 failed" in out
+
+
+def test_preload_needs_the_servers_block_size(url, manifest, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(EXAMPLES), "--url", url])
+    assert exit_info.value.code == 2 and "--block-size" in capsys.readouterr().err
+
+
+def test_rag_client_over_the_server(url, manifest):
+    async def ask():
+        backend = await OpenAIServerBackend.connect(url, block_size=BLOCK_SIZE)
+        try:
+            client = RagClient(backend, system="you are a helpful assistant .",
+                               manifest=Manifest.read(manifest), max_tokens=4)
+            docs = [DocRef("rivers.jsonl#nile"), DocRef("cities/paris.md")]
+            return await client.ask("which river is the longest ?", docs)
+        finally:
+            await backend.close()
+
+    answer = asyncio.run(ask())
+    assert answer.cached_tokens == answer.expected_cached_tokens > 0
+    # The preloaded documents were found stored; only the header was new.
+    assert [s.already_stored for s in answer.spans] == [False, True, True]
+
+
+def words(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(7, 400) for _ in range(n)]
+
+
+def test_isps_over_the_server(url):
+    async def run():
+        backend = await OpenAIServerBackend.connect(url, block_size=BLOCK_SIZE)
+        protocol = backend.span_protocol()
+        docs = [words(30 + 20 * i, 900 + i) for i in range(4)]
+        layouts = [(0, 1), (1, 2, 3), (3, 0), (2,)]
+        requests = [RagRequest(block_attention([docs[i] for i in ids], words(6, 950 + n),
+                                               system=words(20, 999), protocol=protocol,
+                                               block_size=BLOCK_SIZE), max_tokens=2)
+                    for n, ids in enumerate(layouts)]
+        too_long = RagRequest(block_attention([words(MAX_MODEL_LEN + 10, 960)], [9],
+                                              protocol=protocol, block_size=BLOCK_SIZE))
+        try:
+            scheduler = InterleavedScheduler(backend, protocol, max_in_flight=2)
+            return await asyncio.wait_for(scheduler.run(requests[:2] + [too_long] +
+                                                        requests[2:]), 240)
+        finally:
+            await backend.close()
+
+    results = asyncio.run(run())
+    assert [r.ok for r in results] == [True, True, False, True, True]
+    for r in results[:2] + results[3:]:
+        assert r.cached_tokens == r.expected_cached_tokens > 0
