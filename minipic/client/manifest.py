@@ -2,7 +2,8 @@
 
 One row per span, in document order:
 
-    doc_id  source  span_index  span_count  span_key  num_tokens  token_ids  status  cached_tokens  error
+    doc_id  source  span_index  span_count  span_key  num_tokens  token_ids
+    status  cached_tokens  error
 
 `token_ids` is the exact span ([SSep] + text + padding), so a client builds
 final prompts that hit without re-tokenizing (`Manifest.spans_of`). The

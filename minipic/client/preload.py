@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--url", help="a running vLLM server (OpenAI-compatible)")
     engine.add_argument("--model", help="with --url: the served model name (default: the "
                         "server's first); without: the model to load in-process")
-    engine.add_argument("--block-size", type=int, help="with --url: the server's KV block size")
+    engine.add_argument("--block-size", type=int, help="the engine's KV block size (required "
+                        "with --url: a server does not publish it)")
     engine.add_argument("--tokenizer", help="with --url: tokenizer to load (default: the model)")
     engine.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     engine.add_argument("--span-protocol", type=_json_arg, help="with --url: marker ids as "
@@ -73,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _json_arg(value: str) -> Any:
     """Inline JSON, or the path of a JSON file."""
-    text = Path(value).read_text() if not value.lstrip().startswith("{") else value
     try:
+        text = value if value.lstrip().startswith("{") else Path(value).read_text()
         return json.loads(text)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"neither JSON nor a readable file: {e}") from None
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
 
@@ -85,13 +88,13 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if args.block_size is None:
             parser.error("--url needs --block-size: the server's KV block size (its "
                          "--block-size; 16 by default on GPU)")
-        if args.connector_config or args.engine_args:
+        if args.connector_config is not None or args.engine_args:
             parser.error("--connector-config and --engine-args are for in-process runs, "
                          "not --url")
     else:
         if not args.model:
             parser.error("give --url (a running server) or --model (load it in-process)")
-        if args.connector_config is None:
+        if not isinstance(args.connector_config, dict) or "store_dir" not in args.connector_config:
             parser.error("in-process runs need --connector-config with a store_dir: without "
                          "a span store the spans would vanish when this process exits")
         if args.block_size is not None and args.block_size != args.engine_args.get(

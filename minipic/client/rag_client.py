@@ -1,6 +1,6 @@
 """A span-aware RAG client: system prompt + documents + question -> Block-Attention answer.
 
-    backend = AsyncLLMBackend(async_llm)   # or: await OpenAIServerBackend.connect(url, block_size=16)
+    backend = AsyncLLMBackend(async_llm)  # or await OpenAIServerBackend.connect(url, block_size=16)
     client = RagClient(backend, system="Answer from the documents.",
                        manifest=Manifest.read("minipic-manifest.parquet"))
     answer = await client.ask("Who wrote it?", [DocRef("books/tale.md"), "retrieved text ..."])
@@ -91,8 +91,10 @@ class RagClient:
                   prefill_spans: bool = True, max_tokens: int | None = None) -> RagResult:
         """Answer one question; raises if its spans or its final prompt fail.
 
-        prefill_spans=False sends the final prompt alone: right when the spans
-        are known to be stored (preloaded); misses still answer, just slower.
+        prefill_spans=False sends the final prompt alone. It only hits if every
+        span, the system-prompt header included, is already cached: vLLM's hits
+        run from the first block and stop at the first miss. Misses still
+        answer, just slower.
         """
         request = self.request(question, docs, max_tokens=max_tokens)
         if prefill_spans:

@@ -89,8 +89,8 @@ def test_an_interrupted_run_still_writes_its_manifest(tokenizer, tmp_path):
     backend = FakeBackend(tokenizer=tokenizer, delay_s=0.05)
 
     async def interrupted():
-        task = asyncio.ensure_future(preload(EXAMPLES, backend, manifest_path=tmp_path / "m.parquet",
-                                             progress=False, concurrency=1, span_tokens=64))
+        task = asyncio.ensure_future(preload(EXAMPLES, backend, progress=False, concurrency=1,
+                                             manifest_path=tmp_path / "m.parquet", span_tokens=64))
         await asyncio.sleep(0.12)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -89,12 +89,6 @@ def test_preload_over_the_server_then_again(url, manifest, capfd):
     assert f"0 new, {spans} already stored, 0 failed" in out
 
 
-def test_preload_needs_the_servers_block_size(url, manifest, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(EXAMPLES), "--url", url])
-    assert exit_info.value.code == 2 and "--block-size" in capsys.readouterr().err
-
-
 def test_rag_client_over_the_server(url, manifest):
     async def ask():
         backend = await OpenAIServerBackend.connect(url, block_size=BLOCK_SIZE)

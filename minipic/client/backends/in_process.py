@@ -25,8 +25,8 @@ def engine_span_protocol(vllm_config: Any, tokenizer: Any) -> SpanProtocol:
     still give prompts the same layout, so hits can be compared on and off.
     """
     options = minipic_options(vllm_config) or {}
-    if "ssep_token_id" in options:
-        return SpanProtocol.from_dict(options)
+    if any(k in options for k in ("ssep_token_id", "pdep_token_id", "pad_token_id")):
+        return SpanProtocol.from_dict(options)  # as the engine does (minipic.protocol)
     return SpanProtocol.from_tokenizer(tokenizer)
 
 
