@@ -18,6 +18,8 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |   (+ the copy imported into model_executor.layers.attention.attention)               |
 | v1.worker.gpu_model_runner.GPUModelRunner        | worker      | let attention read marker blocks from |
 |   .__init__ (V1 runner; the CPU runner's base)   |             | the runner's token-id table           |
+| v1.worker.gpu.model_runner.GPUModelRunner        | worker      | same for Model Runner V2, plus the    |
+|   .__init__ and .prepare_inputs                  |             | batch's rows of that table            |
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def apply_all() -> None:
     _patch_rotary_embedding_init()
     _patch_attention_selector()
     _patch_model_runner_init()
+    _patch_model_runner_v2()
 
 
 def _warn_if_unchecked_version() -> None:
@@ -203,3 +206,29 @@ def _span_protocol(vllm_config: Any) -> SpanProtocol:
     return resolve_span_protocol(minipic_options(vllm_config), mc.tokenizer,
                                  revision=mc.tokenizer_revision,
                                  trust_remote_code=mc.trust_remote_code)
+
+
+def _patch_model_runner_v2() -> None:
+    from vllm.v1.worker.gpu import model_runner
+
+    def make_init(original):
+        def __init__(self, vllm_config, *args, **kwargs):
+            original(self, vllm_config, *args, **kwargs)
+            if is_enabled(vllm_config):
+                from minipic.attention.segments import register_runner
+
+                register_runner(self, _span_protocol(vllm_config))
+        return __init__
+
+    def make_prepare_inputs(original):
+        def prepare_inputs(self, *args, **kwargs):
+            input_batch = original(self, *args, **kwargs)
+            if is_enabled(self.vllm_config):
+                from minipic.attention.segments import note_mrv2_batch
+
+                note_mrv2_batch(input_batch.idx_mapping)
+            return input_batch
+        return prepare_inputs
+
+    _wrap(model_runner.GPUModelRunner, "__init__", make_init)
+    _wrap(model_runner.GPUModelRunner, "prepare_inputs", make_prepare_inputs)

@@ -45,6 +45,14 @@ CASES = {
     "prefetch_split_kv_fp32": (dict(query_lens=[1, 1], context_lens=[90, 7], num_q_heads=4,
                                     num_kv_heads=2, head_size=32, is_neox=False, dtype="float32"),
                                {"config": "PREFETCH", "split_kv": True}),
+    # minipic span segments: request 0 = header block, SSep span of 2 blocks, PDep block;
+    # request 1 = decode inside an SSep span that starts at its second block.
+    "segments_mixed_fp16": (dict(query_lens=[60, 1], context_lens=[0, 40], num_q_heads=4,
+                                 num_kv_heads=2, head_size=64,
+                                 segment_starts=[[0, 16, 16, 0], [0, 16, 16]]), {}),
+    "segments_split_kv_fp32": (dict(query_lens=[1, 1], context_lens=[40, 20], num_q_heads=4,
+                                    num_kv_heads=2, head_size=32, dtype="float32",
+                                    segment_starts=[[0, 16, 32], [0, 16]]), {"split_kv": True}),
 }
 TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
 # Through MiniPICTritonImpl.forward, with the KV cache in each vLLM layout.
@@ -78,7 +86,7 @@ def _run_case(name: str) -> float:
         case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
-        is_neox_style=case.is_neox, config=config, **segm)
+        is_neox_style=case.is_neox, config=config, segment_starts=case.segment_starts, **segm)
     return relative_error(out, reference_attention(case))
 
 

@@ -8,22 +8,25 @@ computed inside a final prompt (because it missed) gets exactly the KV it
 would get prefilled alone, and whatever lands in the cache under an SSep hash
 is honest, whatever order requests come in.
 
-Marker blocks are read from the model runner's token-id table (vLLM keeps
-every request's tokens there, row i = request i of the batch), because
-attention metadata carries no token ids.
+Attention metadata carries no token ids, so the marker blocks are read from
+the model runner's own per-request token table:
+  * V1 runner (CPU, and CUDA with VLLM_USE_V2_MODEL_RUNNER=0):
+    `input_batch.token_ids_cpu_tensor`, row i = request i of the batch;
+  * Model Runner V2 (CUDA default on vLLM 0.25): `req_states.all_token_ids.gpu`,
+    rows picked by the batch's `idx_mapping`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from minipic.protocol import SpanProtocol
 
 _runner: Any = None
 _protocol: SpanProtocol | None = None
+_mrv2_idx_mapping: torch.Tensor | None = None  # rows of the batch being run (MRV2)
 
 
 def register_runner(runner: Any, protocol: SpanProtocol) -> None:
@@ -32,32 +35,52 @@ def register_runner(runner: Any, protocol: SpanProtocol) -> None:
     _runner, _protocol = runner, protocol
 
 
-def block_segment_starts(block_first_tokens: np.ndarray, block_size: int,
-                         protocol: SpanProtocol) -> np.ndarray:
-    """For each block, the position of the first key its tokens may see."""
-    num_blocks = block_first_tokens.shape[0]
+def note_mrv2_batch(idx_mapping: torch.Tensor) -> None:
+    """Model Runner V2 prepared a batch: remember which token rows it runs."""
+    global _mrv2_idx_mapping
+    _mrv2_idx_mapping = idx_mapping
+
+
+def segment_start_table(block_first_tokens: torch.Tensor, protocol: SpanProtocol,
+                        block_size: int) -> torch.Tensor:
+    """[reqs, blocks] first tokens -> [reqs, blocks] first key position each block may see."""
+    num_blocks = block_first_tokens.shape[1]
+    block_index = torch.arange(num_blocks, device=block_first_tokens.device)
     is_ssep = block_first_tokens == protocol.ssep_token_id
     resets = is_ssep | (block_first_tokens == protocol.pdep_token_id)
     # SSep starts a segment at its own block; PDep restarts "see everything" (0).
-    reset_value = np.where(is_ssep, np.arange(num_blocks) * block_size, 0)
-    last_reset = np.maximum.accumulate(np.where(resets, np.arange(num_blocks), -1))
-    return np.where(last_reset >= 0, reset_value[np.maximum(last_reset, 0)], 0)
+    reset_value = torch.where(is_ssep, block_index * block_size, 0)
+    last_reset = torch.where(resets, block_index, -1).cummax(dim=1).values
+    starts = reset_value.gather(1, last_reset.clamp(min=0))
+    return torch.where(last_reset >= 0, starts, 0).to(torch.int32)
+
+
+def _block_first_tokens(num_reqs: int, block_size: int) -> torch.Tensor | None:
+    if _runner is None:
+        return None
+    if hasattr(_runner, "req_states"):  # Model Runner V2
+        if _mrv2_idx_mapping is None:
+            return None  # dummy / capture runs before any real batch
+        rows = _mrv2_idx_mapping[:num_reqs].long()
+        return _runner.req_states.all_token_ids.gpu[:, ::block_size][rows]
+    return _runner.input_batch.token_ids_cpu_tensor[:num_reqs, ::block_size]
+
+
+def segment_table(num_reqs: int, block_size: int) -> torch.Tensor | None:
+    """First visible key per (request, block) of the current batch; None if unknown."""
+    firsts = _block_first_tokens(num_reqs, block_size)
+    return None if firsts is None else segment_start_table(firsts, _protocol, block_size)
 
 
 def first_visible_keys(query_start_loc: list[int], seq_lens: list[int],
                        block_size: int) -> list[torch.Tensor | None]:
-    """Per request, the first visible key position of each query token (None: all 0)."""
-    if _runner is None:
+    """Per request, the first visible key of each query token (None: plain causal)."""
+    table = segment_table(len(seq_lens), block_size)
+    if table is None or not table.any():
         return [None] * len(seq_lens)
-    token_ids = _runner.input_batch.token_ids_cpu
     result: list[torch.Tensor | None] = []
     for i, seq_len in enumerate(seq_lens):
-        firsts = token_ids[i, 0:seq_len:block_size]
-        starts = block_segment_starts(firsts, block_size, _protocol)
-        if not starts.any():
-            result.append(None)  # no SSep segment: plain causal attention
-            continue
         num_queries = query_start_loc[i + 1] - query_start_loc[i]
-        query_positions = np.arange(seq_len - num_queries, seq_len)
-        result.append(torch.from_numpy(starts[query_positions // block_size]))
+        query_blocks = torch.arange(seq_len - num_queries, seq_len) // block_size
+        result.append(table[i, query_blocks.to(table.device)])
     return result

@@ -17,9 +17,14 @@ from typing import ClassVar
 
 import torch
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
+)
 
 from minipic.attention.rope import current_rope
+from minipic.attention.segments import segment_table
 from minipic.attention.triton_kernel import (
     angle_addition_holds,
     check_rope,
@@ -45,6 +50,10 @@ class MiniPICTritonBackend(TritonAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type["MiniPICTritonImpl"]:
         return MiniPICTritonImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["MiniPICTritonMetadataBuilder"]:
+        return MiniPICTritonMetadataBuilder
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -77,6 +86,28 @@ class MiniPICTritonBackend(TritonAttentionBackend):
     @classmethod
     def supports_batch_invariance(cls) -> bool:
         return False  # the launch shape depends on the batch's longest query
+
+
+class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
+    """vLLM's Triton metadata plus minipic's span-segment table (segments.py)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        max_blocks = -(-vllm_config.model_config.max_model_len // self.block_size)
+        # Static: CUDA graphs capture its address; each build rewrites its rows.
+        self.segment_starts = torch.zeros(vllm_config.scheduler_config.max_num_seqs,
+                                          max_blocks, dtype=torch.int32, device=device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        table = None if capturing else segment_table(common_attn_metadata.num_reqs,
+                                                     self.block_size)
+        if table is not None:
+            self.segment_starts[: table.shape[0], : table.shape[1]].copy_(table, non_blocking=True)
+        metadata.minipic_segment_starts = self.segment_starts
+        metadata.minipic_segment_block_size = self.block_size
+        return metadata
 
 
 class MiniPICTritonImpl(TritonAttentionImpl):
@@ -127,6 +158,8 @@ class MiniPICTritonImpl(TritonAttentionImpl):
             segm_output=md.softmax_segm_output, segm_max=md.softmax_segm_max,
             segm_expsum=md.softmax_segm_expsum, seq_threshold_3d=md.seq_threshold_3D,
             allow_angle_addition=self._angle_addition_ok,
+            segment_starts=getattr(md, "minipic_segment_starts", None),
+            segment_block_size=getattr(md, "minipic_segment_block_size", None),
         )
         return output
 

@@ -116,6 +116,7 @@ def minipic_attention_kernel(
     block_tables_ptr,  # [seqs, max_blocks]
     seq_lens_ptr,  # [seqs]
     query_start_loc_ptr,  # [seqs + 1]
+    seg_starts_ptr,  # HAS_SEGMENTS: [seqs, blocks] int32, first key a block's queries see
     segm_out_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32
     segm_max_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
     segm_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
@@ -135,6 +136,7 @@ def minipic_attention_kernel(
     v_stride_2: tl.int64,
     v_stride_3: tl.constexpr,
     cos_sin_stride: tl.int64,
+    seg_starts_stride: tl.int64,
     NUM_QUERY_HEADS: tl.constexpr,
     NUM_QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -152,6 +154,8 @@ def minipic_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     IS_3D: tl.constexpr,
     PREFETCH: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,  # minipic span segments (see minipic.attention.segments)
+    SEG_BLOCK: tl.constexpr,  # block size the segment table is indexed by
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -220,6 +224,10 @@ def minipic_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
     query_abs_pos = context_len + q_pos
+    if HAS_SEGMENTS:
+        # A query inside an SSep span sees keys from the span's first block only.
+        first_key = tl.load(seg_starts_ptr + seq_idx.to(tl.int64) * seg_starts_stride
+                            + query_abs_pos // SEG_BLOCK, mask=row_mask, other=0)
 
     # Keys this program reads: the causal bound, and its segment's end in 3D.
     kv_end = tl.minimum(kv_hi, tile_hi * TILE_SIZE)
@@ -277,6 +285,8 @@ def minipic_attention_kernel(
             S = tl.dot(q3, k3.to(q1.dtype), S)
         S = S * qk_scale
         visible = row_mask[:, None] & (offs_t[None, :] <= query_abs_pos[:, None])
+        if HAS_SEGMENTS:
+            visible = visible & (offs_t[None, :] >= first_key[:, None])
         S = tl.where(visible, S, float("-inf"))
 
         # Online softmax (base 2). A row with nothing visible yet keeps max 0, not -inf,
@@ -440,6 +450,8 @@ def unified_attention_rope(
     seq_threshold_3d: int | None = None,
     config: LaunchConfig | None = None,
     allow_angle_addition: bool = True,
+    segment_starts: torch.Tensor | None = None,
+    segment_block_size: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of rotated `q` over unrotated K, rotating K per tile.
 
@@ -451,6 +463,9 @@ def unified_attention_rope(
     (vLLM's Triton metadata builder allocates them). Host-side work is shape
     arithmetic only, so the launch can be captured in a CUDA graph. Pass
     `allow_angle_addition=False` for a table `angle_addition_holds` rejects.
+    `segment_starts` [seqs, blocks] int32 (from minipic.attention.segments,
+    indexed by `segment_block_size`-token blocks) cuts each query's keys at the
+    start of its span segment.
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -482,12 +497,15 @@ def unified_attention_rope(
     else:
         num_segments = 1
         grid = (num_q_blocks, num_kv_heads)
+    has_segments = segment_starts is not None
     minipic_attention_kernel[grid](
         out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
+        segment_starts if has_segments else block_table,  # any pointer when unused
         segm_output, segm_max, segm_expsum,
         softmax_scale * _LOG2E, num_seqs,
         block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
+        segment_starts.stride(0) if has_segments else 0,
         NUM_QUERY_HEADS=num_q_heads,
         NUM_QUERIES_PER_KV=queries_per_kv,
         BLOCK_SIZE=block_size,
@@ -505,6 +523,8 @@ def unified_attention_rope(
         NUM_SEGMENTS=num_segments,
         IS_3D=use_3d,
         PREFETCH=config.prefetch,
+        HAS_SEGMENTS=has_segments,
+        SEG_BLOCK=segment_block_size or block_size,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -29,6 +29,8 @@ class PagedCase:
     rotary_dim: int
     is_neox: bool
     scale: float
+    # Span segments: first key each block's queries may see, [seqs, max_blocks] int32.
+    segment_starts: torch.Tensor | None = None
 
     @property
     def max_seqlen_q(self) -> int:
@@ -76,7 +78,8 @@ def make_case(query_lens: list[int], context_lens: list[int], *, num_q_heads: in
               num_kv_heads: int, head_size: int, rotary_dim: int | None = None,
               is_neox: bool = True, dtype: torch.dtype = torch.float16,
               device: str | torch.device = "cpu", block_size: int = 16,
-              spare_blocks: int = 3, mscale: float = 1.0, seed: int = 0) -> PagedCase:
+              spare_blocks: int = 3, mscale: float = 1.0, seed: int = 0,
+              segment_starts: list[list[int]] | None = None) -> PagedCase:
     """Requests with `context_lens` cached keys then `query_lens` new tokens each.
 
     Blocks are assigned in random order; unowned slots hold NaN so a kernel that
@@ -119,6 +122,9 @@ def make_case(query_lens: list[int], context_lens: list[int], *, num_q_heads: in
         query_lens=list(query_lens), context_lens=list(context_lens),
         cos_sin=rope_table(rotary_dim, max_pos, mscale=mscale, device=device),
         rotary_dim=rotary_dim, is_neox=is_neox, scale=head_size ** -0.5,
+        segment_starts=None if segment_starts is None else torch.tensor(
+            [row + [0] * (max_blocks - len(row)) for row in segment_starts],
+            dtype=torch.int32, device=device),
     )
 
 
@@ -139,7 +145,11 @@ def reference_attention(case: PagedCase) -> torch.Tensor:
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         q = case.q[starts[i]: starts[i + 1]].double()
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
-        visible = pos[None, :] <= (ctx + torch.arange(q_len, device=k.device))[:, None]
+        q_pos = ctx + torch.arange(q_len, device=k.device)
+        visible = pos[None, :] <= q_pos[:, None]
+        if case.segment_starts is not None:
+            first_key = case.segment_starts[i].long()[q_pos // bs]
+            visible &= pos[None, :] >= first_key[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         out[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
