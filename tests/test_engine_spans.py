@@ -16,6 +16,17 @@ FIRST_WORD_ID = 7  # ids below are <unk>, <s>, </s> and the reserved markers
 STEPS = 6
 
 
+def _logprob_tolerance() -> float:
+    # vLLM's platform check does not initialise CUDA (engines fork after it).
+    from vllm.platforms import current_platform
+
+    # On CUDA, Triton's fp32 tl.dot runs in TF32 (10-bit mantissa).
+    return 1e-2 if current_platform.is_cuda() else 2e-3
+
+
+LOGPROB_ATOL = _logprob_tolerance()
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     llm = start_llm(tiny_model, **MINIPIC_ON)
@@ -95,7 +106,7 @@ def test_block_attention_fidelity_vs_hf_block_mask(llm, protocol, reference):
     tokens, logprobs = expected_tokens(reference, prompt, protocol)
     assert list(out.outputs[0].token_ids) == tokens
     got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-    assert got == pytest.approx(logprobs, abs=2e-3)
+    assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
 
 
 def test_span_prefilled_in_context_differs_from_alone(llm, protocol, reference):
@@ -164,4 +175,4 @@ def test_span_computed_in_a_final_prompt_is_cached_honestly(llm, protocol, refer
         tokens, logprobs = expected_tokens(reference, prompt, protocol)
         assert list(out.outputs[0].token_ids) == tokens
         got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-        assert got == pytest.approx(logprobs, abs=2e-3)
+        assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)

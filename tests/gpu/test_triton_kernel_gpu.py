@@ -42,7 +42,8 @@ def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D):
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
         is_neox_style=case.is_neox, segm_output=segm[0], segm_max=segm[1],
-        segm_expsum=segm[2], seq_threshold_3d=threshold, config=config)
+        segm_expsum=segm[2], seq_threshold_3d=threshold, config=config,
+        segment_starts=case.segment_starts)
     torch.cuda.synchronize()
     return out
 
@@ -157,3 +158,31 @@ def test_cuda_graph_replay_follows_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+
+
+def random_segments(seq_len: int, block_size: int, rng) -> list[int]:
+    """A request's blocks as header / SSep spans / PDep blocks: first visible key per block."""
+    starts, current = [], 0
+    for b in range(-(-seq_len // block_size)):
+        roll = rng.random()
+        if b > 0 and roll < 0.3:
+            current = b * block_size  # SSep block: a new span starts here
+        elif b > 0 and roll < 0.4:
+            current = 0  # PDep block: sees everything again
+        starts.append(current)
+    return starts
+
+
+@pytest.mark.parametrize("batch", ["mixed_long", "mixed_short", "decode_split", "decode_many"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_span_segments(batch, dtype):
+    import random
+
+    rng = random.Random(batch)
+    query_lens, context_lens = BATCHES[batch]
+    segments = [random_segments(q + c, 16, rng) for q, c in zip(query_lens, context_lens)]
+    case = make_case(query_lens, context_lens, num_q_heads=8, num_kv_heads=2, head_size=128,
+                     dtype=dtype, device="cuda", seed=3, segment_starts=segments)
+    for config in (None, tk.PREFILL, tk.DECODE_2D):
+        err = relative_error(run_minipic(case, config), reference_attention(case))
+        assert err < TOLERANCE[dtype], f"{config}: relative error {err:.2e}"
