@@ -104,8 +104,9 @@ def _prepare_config(vllm_config: Any) -> SpanProtocol:
     protocol = _span_protocol(vllm_config)
     if not isinstance(vllm_config.additional_config, dict):
         raise ValueError("minipic needs additional_config to be a dict")
-    section = vllm_config.additional_config.setdefault(CONFIG_KEY, {})
-    section.update(protocol.to_dict())
+    # New dicts: the caller's own additional_config must not change under it.
+    section = {**vllm_config.additional_config.get(CONFIG_KEY, {}), **protocol.to_dict()}
+    vllm_config.additional_config = {**vllm_config.additional_config, CONFIG_KEY: section}
     return protocol
 
 
@@ -185,19 +186,21 @@ def _patch_attention_selector() -> None:
     _wrap(selector, "get_attn_backend", make, also_in=(attention,))
 
 
+def _register_runner_after_init(original):
+    """Wrap a model runner's __init__: hand the runner to minipic's segment table."""
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        if is_enabled(vllm_config):
+            from minipic.attention.segments import register_runner
+
+            register_runner(self, _span_protocol(vllm_config))
+    return __init__
+
+
 def _patch_model_runner_init() -> None:
     from vllm.v1.worker import gpu_model_runner
 
-    def make(original):
-        def __init__(self, vllm_config, *args, **kwargs):
-            original(self, vllm_config, *args, **kwargs)
-            if is_enabled(vllm_config):
-                from minipic.attention.segments import register_runner
-
-                register_runner(self, _span_protocol(vllm_config))
-        return __init__
-
-    _wrap(gpu_model_runner.GPUModelRunner, "__init__", make)
+    _wrap(gpu_model_runner.GPUModelRunner, "__init__", _register_runner_after_init)
 
 
 def _span_protocol(vllm_config: Any) -> SpanProtocol:
@@ -211,15 +214,6 @@ def _span_protocol(vllm_config: Any) -> SpanProtocol:
 def _patch_model_runner_v2() -> None:
     from vllm.v1.worker.gpu import model_runner
 
-    def make_init(original):
-        def __init__(self, vllm_config, *args, **kwargs):
-            original(self, vllm_config, *args, **kwargs)
-            if is_enabled(vllm_config):
-                from minipic.attention.segments import register_runner
-
-                register_runner(self, _span_protocol(vllm_config))
-        return __init__
-
     def make_prepare_inputs(original):
         def prepare_inputs(self, *args, **kwargs):
             input_batch = original(self, *args, **kwargs)
@@ -230,5 +224,5 @@ def _patch_model_runner_v2() -> None:
             return input_batch
         return prepare_inputs
 
-    _wrap(model_runner.GPUModelRunner, "__init__", make_init)
+    _wrap(model_runner.GPUModelRunner, "__init__", _register_runner_after_init)
     _wrap(model_runner.GPUModelRunner, "prepare_inputs", make_prepare_inputs)

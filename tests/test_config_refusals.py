@@ -60,3 +60,16 @@ def test_tokenizer_without_reserved_tokens_asks_for_ids(tiny_model, tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(SpanProtocolError, match="ssep_token_id"):
         start_llm(str(tmp_path), **MINIPIC_ON)
+
+
+def test_callers_config_dict_is_not_modified(tiny_model):
+    """minipic pins the resolved marker ids into vLLM's config, never into the caller's dict."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from conftest import engine_kwargs
+
+    additional = {"minipic": {}}
+    config = EngineArgs(**engine_kwargs(tiny_model, additional_config=additional)).create_engine_config()
+    assert additional == {"minipic": {}}
+    assert config.additional_config["minipic"] == {"ssep_token_id": 3, "pdep_token_id": 4,
+                                                   "pad_token_id": 5}

@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BLOCK_SIZE
+from conftest import BLOCK_SIZE, api_server
 
 from minipic.client.backends import OpenAIServerBackend
 from minipic.client.isps import InterleavedScheduler
@@ -34,38 +28,12 @@ EXAMPLES = Path(__file__).parents[2] / "examples" / "corpus"
 MAX_MODEL_LEN = 1024
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url(tiny_model, tmp_path_factory):
-    port, log_path = free_port(), tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
-             "--port", str(port), "--block-size", str(BLOCK_SIZE), "--dtype", "float32",
-             "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
-             "--gpu-memory-utilization", "0.1", "--enable-prompt-tokens-details",
-             "--additional-config", json.dumps({"minipic": {}})],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(60)
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with api_server(tiny_model, log_path, "--max-model-len", str(MAX_MODEL_LEN),
+                    "--additional-config", json.dumps({"minipic": {}})) as base_url:
+        yield base_url
 
 
 @pytest.fixture(scope="module")

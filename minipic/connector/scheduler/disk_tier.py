@@ -291,7 +291,10 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._pool.wait_idle()
 
     def shutdown(self) -> None:
-        # Finish queued writes first (the pool's shutdown drops queued tasks):
+        # Counters first: vLLM kills an engine that takes too long to stop, and
+        # waiting for the writes below can take that long on a loaded machine.
+        self.counters.maybe_flush(force=True)
+        # Finish queued writes (the pool's shutdown drops queued tasks):
         # blocks computed just before a restart are exactly the ones to keep.
         self._pool.wait_idle()
         self._lookup.shutdown()
