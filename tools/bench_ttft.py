@@ -32,18 +32,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "vocab_size": 128256,
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 128000, "eos_token_id": 128001,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-}
-# Llama-3's reserved special tokens, named explicitly: the dummy model has no tokenizer.
-LLAMA3_MARKERS = {"ssep_token_id": 128002, "pdep_token_id": 128003, "pad_token_id": 128004}
 TINY_MARKERS = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5}
 PHASES = ("stock", "gpu-hit", "disk-warm")
 
@@ -56,12 +44,12 @@ def make_model(arch: str, root: Path) -> tuple[str, dict, dict]:
         path = build_tiny_llama(root / "tiny")
         return str(path), dict(dtype="float32", block_size=32, enforce_eager=True,
                                gpu_memory_utilization=0.1, max_model_len=4096), TINY_MARKERS
-    path = root / "llama3-8b"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    from minipic.devtools import llama3_8b
+
+    path = llama3_8b.write_config(root / "llama3-8b")
     return str(path), dict(dtype="bfloat16", block_size=16, load_format="dummy",
                            skip_tokenizer_init=True, gpu_memory_utilization=0.85,
-                           max_model_len=32768), LLAMA3_MARKERS
+                           max_model_len=32768), llama3_8b.MARKERS
 
 
 def workload(args, markers: dict) -> dict:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from minipic.devtools.llama3_8b import MARKERS, write_config
+
 torch = pytest.importorskip("torch")
 
 pytestmark = [
@@ -30,18 +32,7 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-# Llama-3.1-8B's architecture (llama3 RoPE scaling: the scaled cos/sin table).
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "vocab_size": 128256,
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 128000, "eos_token_id": 128001,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-}
-MINIPIC = {"minipic": {"ssep_token_id": 128002, "pdep_token_id": 128003, "pad_token_id": 128004}}
+MINIPIC = {"minipic": MARKERS}
 PROMPT_LENS = [600, 1500, 37, 3000]  # the 3000-token prompt is prefilled in chunks
 SHARED_PREFIX = 512  # prompts 1 and 3 start like prompt 0: cached-prefix attention
 MAX_TOKENS = 16
@@ -111,7 +102,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("e2e")
     model_dir = root / "llama3-8b-shaped"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    write_config(model_dir)
     # The entry point `pip install minipic` would create, for the child's vLLM to find.
     dist = root / "site" / "minipic-0.1.0.dist-info"
     dist.mkdir(parents=True)
