@@ -91,9 +91,11 @@ def make_request_block_hasher(protocol: SpanProtocol, hash_block_size: int,
     hasher = SpanBlockHasher(protocol, hash_fn, kcu.hash_block_tokens, seed)
 
     def request_block_hasher(request: Any) -> list:
-        hashes: list = list(request.block_hashes)
-        first_new = len(hashes)
+        first_new = len(request.block_hashes)
         start, mm_idx = first_new * hash_block_size, 0
+        if start + hash_block_size > request.num_tokens:
+            return []  # called every step; most steps complete no block
+        hashes: list = list(request.block_hashes)
         while start + hash_block_size <= request.num_tokens:
             end = start + hash_block_size
             # Stock extra keys (LoRA, multimodal, prompt embeds, block-0 salt).
