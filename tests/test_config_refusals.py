@@ -73,3 +73,16 @@ def test_callers_config_dict_is_not_modified(tiny_model):
     assert additional == {"minipic": {}}
     assert config.additional_config["minipic"] == {"ssep_token_id": 3, "pdep_token_id": 4,
                                                    "pad_token_id": 5}
+
+
+def test_switch_changes_the_compile_cache_key(tiny_model):
+    """A torch.compile graph cached without minipic must never be reused with it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from conftest import engine_kwargs
+
+    def key(**overrides):
+        return EngineArgs(**engine_kwargs(tiny_model, **overrides)).create_engine_config().compute_hash()
+
+    assert key() == key()
+    assert key(**MINIPIC_ON) != key()
