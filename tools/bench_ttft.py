@@ -5,6 +5,8 @@
         python3 tools/bench_ttft.py --arch llama3-8b --docs 10 --doc-tokens 1000 --out $OUT/ttft.json
     # CPU smoke run on the tiny random model (numbers are not the product's):
     python tools/bench_ttft.py --arch tiny --docs 4 --doc-tokens 200
+    # TTFT vs number of cached documents (Figure 2, right), one engine per phase for all counts:
+    python3 tools/bench_ttft.py --docs 1,2,5,10,20,40 --doc-tokens 1000 --out $OUT/ttft.json
 
 Each phase runs in its own process, as a restart would:
   1. stock: vLLM without minipic; every final prompt is prefilled in full (its documents follow
@@ -14,6 +16,7 @@ Each phase runs in its own process, as a restart would:
   3. disk-warm: a new process on the same store; the spans come from the disk tier.
 TTFT = wall time of one request with max_tokens=1, requests one at a time, median of --repeats
 prompts (each a different document order and question). All phases run in one invocation.
+`measure()` is the same run as a function (tools/bench_rag.py uses it for Figure 2).
 """
 
 from __future__ import annotations
@@ -52,21 +55,37 @@ def make_model(arch: str, root: Path) -> tuple[str, dict, dict]:
                            max_model_len=32768), llama3_8b.MARKERS
 
 
-def workload(args, markers: dict) -> dict:
-    """Token-id prompts: span prefills and final prompts (Block-Attention layout)."""
+def random_words(rng: random.Random, arch: str):
+    """n random ordinary token ids (above every special and marker id of either model)."""
+    vocab = 400 if arch == "tiny" else 120000
+    return lambda n: [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, block_size: int,
+             markers: dict) -> dict:
+    """Token-id prompts: span prefills and final prompts (Block-Attention layout).
+
+    One pool of max(doc_counts) documents; a final prompt with k documents draws k of them.
+    """
     from minipic.client import block_attention
     from minipic.protocol import SpanProtocol
 
     rng = random.Random(0)
-    vocab = 400 if args.arch == "tiny" else 120000
-    words = lambda n: [rng.randrange(10, vocab) for _ in range(n)]
+    words = random_words(rng, arch)
     protocol = SpanProtocol.from_dict(markers)
-    docs, system = [words(args.doc_tokens) for _ in range(args.docs)], words(64)
-    make = lambda: block_attention(rng.sample(docs, len(docs)), words(32), system=system,
-                                   protocol=protocol, block_size=args.block_size)
+    docs, system = [words(doc_tokens) for _ in range(max(doc_counts))], words(64)
+    make = lambda k: block_attention(rng.sample(docs, k), words(32), system=system,
+                                     protocol=protocol, block_size=block_size)
     # Every phase asks its own questions: only the spans can come from an earlier phase.
-    finals = {phase: [make().final for _ in range(args.repeats)] for phase in PHASES}
-    return {"prefills": make().span_prefills, "finals": finals}
+    finals = {phase: [[k, make(k).final] for k in doc_counts for _ in range(repeats)]
+              for phase in PHASES}
+    return {"prefills": make(len(docs)).span_prefills, "finals": finals}
+
+
+def final_prompt_tokens(doc_counts: list[int], doc_tokens: int, block_size: int) -> int:
+    """The longest final prompt: system 64 + padded SSep documents + PDep question 32."""
+    span = -(-(doc_tokens + 1) // block_size) * block_size
+    return 64 + max(doc_counts) * span + 32
 
 
 def run_phase(phase: str, model: str, engine: dict, markers: dict, store: str, load: dict) -> dict:
@@ -87,21 +106,25 @@ def run_phase(phase: str, model: str, engine: dict, markers: dict, store: str, l
     run([[11] * 64])  # warm-up: kernels compiled/loaded before timing
     if phase == "gpu-hit":
         run(load["prefills"])
-    ttfts, cached = [], []
-    for final in load["finals"][phase]:
+    points: dict[int, dict] = {}
+    for docs, final in load["finals"][phase]:
         start = time.perf_counter()
         [out] = run([final])
-        ttfts.append(time.perf_counter() - start)
-        cached.append(out.num_cached_tokens)
+        point = points.setdefault(docs, {"docs": docs, "ttft_s": [], "cached_tokens": [],
+                                         "prompt_tokens": len(final)})
+        point["ttft_s"].append(time.perf_counter() - start)
+        point["cached_tokens"].append(out.num_cached_tokens)
     llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
-    return {"phase": phase, "ttft_s": ttfts, "median_ttft_s": statistics.median(ttfts),
-            "cached_tokens": cached, "prompt_tokens": [len(f) for f in load["finals"][phase]]}
+    for point in points.values():
+        point["median_ttft_s"] = statistics.median(point["ttft_s"])
+    return {"phase": phase, "points": list(points.values())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", choices=["llama3-8b", "tiny"], default="llama3-8b")
-    parser.add_argument("--docs", type=int, default=10)
+    parser.add_argument("--docs", type=int_list, default=[10],
+                        help="documents per final prompt; a list (1,2,5,10) measures each")
     parser.add_argument("--doc-tokens", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--eager", action="store_true",
@@ -114,19 +137,33 @@ def main() -> None:
         child = json.loads(args.child_args.read_text())
         print("RESULT " + json.dumps(run_phase(args.phase, **child)), flush=True)
         return
+    results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
+                      save=lambda results: save(results, args))
+    report(results, args)
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
+            save=lambda results: None) -> list[dict]:
+    """All phases, each in its own process; `save(results)` after each (a late failure keeps
+    the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}."""
     with tempfile.TemporaryDirectory() as tmp:
-        model, engine, markers = make_model(args.arch, Path(tmp))
-        engine["enforce_eager"] = engine.get("enforce_eager", False) or args.eager
-        args.block_size = engine["block_size"]
-        load = workload(args, markers)
+        model, engine, markers = make_model(arch, Path(tmp))
+        needed = final_prompt_tokens(doc_counts, doc_tokens, engine["block_size"]) + 64
+        engine["max_model_len"] = max(engine["max_model_len"], needed)
+        engine["enforce_eager"] = engine.get("enforce_eager", False) or eager
+        load = workload(arch, doc_counts, doc_tokens, repeats, engine["block_size"], markers)
         child = Path(tmp) / "child.json"  # token lists: too long for a command line
         child.write_text(json.dumps(dict(model=model, engine=engine, markers=markers,
                                          store=f"{tmp}/store", load=load)))
         results = []
         for phase in PHASES:
             results.append(run_child(phase, child))
-            save(results, args)  # keep what finished if a later phase fails
-    report(results, args)
+            save(results)
+    return results
 
 
 def run_child(phase: str, child: Path) -> dict:
@@ -150,18 +187,20 @@ def report(results: list[dict], args) -> None:
     by_phase = {r["phase"]: r for r in results if "error" not in r}
     if len(by_phase) < len(PHASES):
         sys.exit(f"phases that failed: {sorted(set(PHASES) - set(by_phase))}")
-    stock = by_phase["stock"]["median_ttft_s"]
-    print(f"{args.docs} documents x {args.doc_tokens} tokens, {args.arch}, "
-          f"median of {args.repeats} final prompts")
-    print("| phase | median TTFT (ms) | cached tokens / prompt tokens | speed-up vs stock |")
-    print("| --- | --- | --- | --- |")
-    for r in by_phase.values():
-        print(f"| {r['phase']} | {r['median_ttft_s'] * 1e3:.1f} | "
-              f"{min(r['cached_tokens'])}-{max(r['cached_tokens'])} / {r['prompt_tokens'][0]} | "
-              f"{stock / r['median_ttft_s']:.1f}x |")
-    disk, hit = by_phase["disk-warm"]["median_ttft_s"], by_phase["gpu-hit"]["median_ttft_s"]
-    print(f"disk-warm / gpu-hit = {disk / hit:.2f} (goal <= 3); stock / disk-warm = "
-          f"{stock / disk:.1f} (goal >= 10)")
+    for i, docs in enumerate(args.docs):
+        point = {phase: r["points"][i] for phase, r in by_phase.items()}
+        stock = point["stock"]["median_ttft_s"]
+        print(f"{docs} documents x {args.doc_tokens} tokens, {args.arch}, "
+              f"median of {args.repeats} final prompts")
+        print("| phase | median TTFT (ms) | cached tokens / prompt tokens | speed-up vs stock |")
+        print("| --- | --- | --- | --- |")
+        for phase, p in point.items():
+            print(f"| {phase} | {p['median_ttft_s'] * 1e3:.1f} | "
+                  f"{min(p['cached_tokens'])}-{max(p['cached_tokens'])} / {p['prompt_tokens']} | "
+                  f"{stock / p['median_ttft_s']:.1f}x |")
+        disk, hit = point["disk-warm"]["median_ttft_s"], point["gpu-hit"]["median_ttft_s"]
+        print(f"disk-warm / gpu-hit = {disk / hit:.2f} (goal <= 3); stock / disk-warm = "
+              f"{stock / disk:.1f} (goal >= 10)\n")
 
 
 if __name__ == "__main__":
