@@ -1,0 +1,719 @@
+"""RAG prefill benchmarks after the paper: Table 1 (samples/s), Figure 2 (TTFT, preload), KV sharing.
+
+    # H200, vLLM 0.25.1 bundle (device tool, carry [".bundle"]); a subset of configurations per
+    # call, since one device call may take at most 10 minutes:
+    tools/gpu_run.sh python3 tools/bench_rag.py table1 --configs 1,2,3 --repeat-rate 0.3 \\
+        --samples 4000 --out $OUT/t1-a
+    tools/gpu_run.sh python3 tools/bench_rag.py figure2 --out $OUT/fig2
+    tools/gpu_run.sh python3 tools/bench_rag.py kv-share --out $OUT/kv
+    python3 tools/bench_rag.py report results/t1-a results/t1-b --out results/table1  # merge
+    # CPU smoke run on the tiny random model (checks the tool; the numbers mean nothing):
+    python tools/bench_rag.py table1 --arch tiny --quick --out /tmp/bench
+
+Every engine runs in its own child process (a fresh engine, as a restart would give), and
+results are saved after each child, so a late failure or a device time-out keeps what finished.
+docs/benchmarks.md describes the configurations and the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+import bench_ttft  # noqa: E402  (shares the model set-up, and measures Figure 2's TTFT)
+
+# The workload's shape (issue 6): a document body of 95 tokens + its SSep marker is 96 tokens,
+# whole blocks at block size 16 (GPU) and 32 (CPU), so no padding changes the token counts.
+SYSTEM_TOKENS, DOC_TOKENS, DOCS_PER_SAMPLE, TASK_TOKENS = 64, 95, 10, 31
+TABLE1_MAX_MODEL_LEN = 2048
+
+
+# ---------------------------------------------------------------------------- configurations
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    key: str
+    label: str
+    strategy: str  # full-batch | batched | isps
+    minipic: bool
+    attention: str | None = None  # vLLM attention backend to force (CUDA only)
+    disk_warm: bool = False
+
+
+CONFIGS = {c.key: c for c in [
+    Config("1", "stock vLLM, Triton attention", "full-batch", False, attention="TRITON_ATTN"),
+    Config("2", "stock vLLM, default attention (FA3 on H200)", "full-batch", False),
+    Config("3", "minipic on, no markers", "full-batch", True),
+    Config("4", "minipic batched (span prefills, barrier, finals)", "batched", True),
+    Config("5", "minipic ISPS", "isps", True),
+    Config("6", "minipic ISPS, disk tier warm from a previous run", "isps", True, disk_warm=True),
+]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One measured engine: a configuration at one max_num_seqs and one repeat rate."""
+
+    config: str
+    max_num_seqs: int
+    repeat_rate: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.config}@{self.max_num_seqs}/r{self.repeat_rate}"
+
+
+def plan_runs(args) -> list[Run]:
+    """--configs 1,5,5:64 -> runs; a bare 5 means every --isps-seqs value."""
+    runs = []
+    for rate in args.repeat_rate:
+        for item in args.configs.split(","):
+            key, _, seqs = item.partition(":")
+            if key not in CONFIGS:
+                sys.exit(f"unknown configuration {key!r}; choose from {', '.join(CONFIGS)}")
+            if seqs:
+                all_seqs = [int(seqs)]
+            elif key == "5":
+                all_seqs = args.isps_seqs
+            else:
+                all_seqs = [args.max_num_seqs]
+            runs += [Run(key, s, rate) for s in all_seqs]
+    return runs
+
+
+# ---------------------------------------------------------------------------- workload
+
+@dataclasses.dataclass
+class RagWorkload:
+    span_prompts: list  # SpanPrompt per sample (Block-Attention layout)
+    repeat_rate: float  # the measured fraction of document slots that repeat an earlier one
+    unique_docs: int
+    markers: dict
+
+    def plain_prompts(self) -> list[list[int]]:
+        """The final prompts with every marker replaced by an ordinary token: same length and
+        compute, but nothing for minipic to act on (what stock vLLM and config 3 get)."""
+        marker_ids = set(self.markers.values())
+        return [[11 if t in marker_ids else t for t in p.final] for p in self.span_prompts]
+
+    def unique_spans(self) -> list[list[int]]:
+        return list({tuple(s): s for p in self.span_prompts for s in p.span_prefills}.values())
+
+
+def repeat_slots(num_slots: int, repeat_rate: float, rng: random.Random) -> list[bool]:
+    """Which document slots repeat an earlier document: exactly round(rate * slots), shuffled."""
+    repeats = round(num_slots * repeat_rate)
+    slots = [True] * repeats + [False] * (num_slots - repeats)
+    rng.shuffle(slots)
+    return slots
+
+
+def draw_documents(samples: int, repeat_rate: float, rng: random.Random, new_doc) -> list[list]:
+    """Document indices per sample. A repeat slot takes a document seen earlier in the run
+    (uniformly, not one already in this sample); the first slot of the run is always new."""
+    pool: list = []
+    slots = iter(repeat_slots(samples * DOCS_PER_SAMPLE, repeat_rate, rng))
+    chosen = []
+    for _ in range(samples):
+        sample: list[int] = []
+        for repeat in (next(slots) for _ in range(DOCS_PER_SAMPLE)):
+            candidates = len(pool) - len(sample)
+            if repeat and candidates > 0:
+                doc = rng.randrange(len(pool))
+                while doc in sample:
+                    doc = rng.randrange(len(pool))
+            else:
+                pool.append(new_doc())
+                doc = len(pool) - 1
+            sample.append(doc)
+        chosen.append(sample)
+    return [pool, chosen]
+
+
+def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_size: int,
+                 markers: dict) -> RagWorkload:
+    """Seeded and reproducible: the same arguments give the same token ids in every process."""
+    from minipic.client import block_attention, make_span
+    from minipic.protocol import SpanProtocol
+
+    rng = random.Random(seed)
+    words = bench_ttft.random_words(rng, arch)
+    protocol = SpanProtocol.from_dict(markers)
+    system = words(SYSTEM_TOKENS)
+    pool, chosen = draw_documents(
+        samples, repeat_rate, rng, lambda: make_span(words(DOC_TOKENS), protocol, block_size))
+    prompts = [block_attention([pool[d] for d in docs], words(TASK_TOKENS), system=system,
+                               protocol=protocol, block_size=block_size) for docs in chosen]
+    slots = samples * DOCS_PER_SAMPLE
+    return RagWorkload(prompts, (slots - len(pool)) / slots, len(pool), markers)
+
+
+# ---------------------------------------------------------------------------- strategies
+# Each sends one workload through an AsyncLLMBackend (the same front end for every
+# configuration, so only the strategy and the engine differ) and returns per-request facts.
+
+async def full_batch(backend, protocol, load: RagWorkload, seqs: int, batch_size: int) -> dict:
+    """Every sample is one request, all submitted at once (the engine's max_num_seqs caps)."""
+    outcomes = await asyncio.gather(*(backend.complete(p, max_tokens=1)
+                                      for p in load.plain_prompts()), return_exceptions=True)
+    done = [o for o in outcomes if not isinstance(o, BaseException)]
+    return {"failed": len(outcomes) - len(done),
+            "prompt_tokens": sum(c.prompt_tokens for c in done),
+            "cached_tokens": sum(c.cached_tokens or 0 for c in done),
+            "expected_cached_tokens": None}
+
+
+async def batched(backend, protocol, load: RagWorkload, seqs: int, batch_size: int) -> dict:
+    from minipic.client import BatchedScheduler
+
+    scheduler = BatchedScheduler(backend, protocol, batch_size=batch_size, max_in_flight=seqs)
+    return summarize(await scheduler.run(rag_requests(load)))
+
+
+async def isps(backend, protocol, load: RagWorkload, seqs: int, batch_size: int) -> dict:
+    from minipic.client import InterleavedScheduler
+
+    scheduler = InterleavedScheduler(backend, protocol, max_in_flight=seqs)
+    return summarize(await scheduler.run(rag_requests(load)))
+
+
+STRATEGIES = {"full-batch": full_batch, "batched": batched, "isps": isps}
+
+
+def rag_requests(load: RagWorkload) -> list:
+    from minipic.client import RagRequest
+
+    return [RagRequest(p, max_tokens=1) for p in load.span_prompts]
+
+
+def summarize(results: list) -> dict:
+    done = [r for r in results if r.ok]
+    spans = {s.key: s for r in results for s in r.spans}  # shared spans counted once
+    return {"failed": len(results) - len(done),
+            "first_error": next((repr(r.error) for r in results if not r.ok), None),
+            "prompt_tokens": sum(r.completion.prompt_tokens for r in done),
+            "cached_tokens": sum(r.cached_tokens or 0 for r in done),
+            "expected_cached_tokens": sum(r.expected_cached_tokens for r in done),
+            "span_prefills": len(spans),
+            "spans_already_cached": sum(bool(s.already_stored) for s in spans.values())}
+
+
+# ---------------------------------------------------------------------------- engines
+
+def is_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
+def connector_config(store: str, markers: dict, disk_max_bytes: int | None) -> dict:
+    extra = {"store_dir": store, **markers}
+    if disk_max_bytes:
+        extra["disk_max_bytes"] = disk_max_bytes
+    return {"kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+def engine_args(spec: dict, config: Config, max_num_seqs: int) -> tuple[dict, str]:
+    """AsyncEngineArgs keywords for a configuration, and what attention it asked for."""
+    args = dict(spec["engine"], model=spec["model"], enable_prefix_caching=True, seed=0,
+                max_num_seqs=max_num_seqs)
+    attention = "default"
+    if config.attention:
+        if is_cuda():
+            args["attention_config"] = {"backend": config.attention}
+            attention = config.attention
+        else:  # vLLM has one attention backend on CPU: configs 1 and 2 are the same engine
+            attention = f"CPU backend ({config.attention} exists on CUDA only)"
+    if config.disk_warm:
+        args["kv_transfer_config"] = connector_config(spec["store"], spec["markers"],
+                                                      spec.get("disk_max_bytes"))
+    elif config.minipic:
+        args["additional_config"] = {"minipic": dict(spec["markers"])}
+    return args, attention
+
+
+# ---------------------------------------------------------------------------- children
+
+async def table1_child(spec: dict) -> dict:
+    """One configuration in this process: warm up, then time the whole workload."""
+    from minipic.client.backends import AsyncLLMBackend
+    from minipic.protocol import SpanProtocol
+
+    run, config = Run(**spec["run"]), CONFIGS[spec["run"]["config"]]
+    load = rag_workload(spec["arch"], spec["samples"], run.repeat_rate, spec["seed"],
+                        spec["engine"]["block_size"], spec["markers"])
+    # Other documents for the warm-up, so that it leaves nothing the measured pass could hit.
+    warm = rag_workload(spec["arch"], spec["warmup"], run.repeat_rate, spec["seed"] + 10_000,
+                        spec["engine"]["block_size"], spec["markers"])
+    args, attention = engine_args(spec, config, run.max_num_seqs)
+    backend = AsyncLLMBackend.start(**args)
+    protocol = SpanProtocol.from_dict(spec["markers"])
+    strategy = STRATEGIES[config.strategy]
+    try:
+        await strategy(backend, protocol, warm, run.max_num_seqs, spec["batch_size"])
+        start = time.perf_counter()
+        facts = await strategy(backend, protocol, load, run.max_num_seqs, spec["batch_size"])
+        seconds = time.perf_counter() - start
+    finally:
+        await backend.close()
+    return {"name": run.name, **dataclasses.asdict(run), "label": config.label,
+            "strategy": config.strategy, "attention": attention, "samples": spec["samples"],
+            "measured_repeat_rate": load.repeat_rate, "unique_docs": load.unique_docs,
+            "seconds": seconds, "samples_per_s": spec["samples"] / seconds, **facts}
+
+
+async def populate_child(spec: dict) -> dict:
+    """Config 6, first pass: prefill every span of the workload into the store, then stop."""
+    from minipic.client.backends import AsyncLLMBackend
+    from minipic.client.barrier import gather_bounded
+    from minipic.client.span_prefill import prefill_span
+    from minipic.protocol import SpanProtocol
+
+    run = Run(**spec["run"])
+    load = rag_workload(spec["arch"], spec["samples"], run.repeat_rate, spec["seed"],
+                        spec["engine"]["block_size"], spec["markers"])
+    args, _ = engine_args(spec, CONFIGS["6"], run.max_num_seqs)
+    backend = AsyncLLMBackend.start(**args)
+    protocol = SpanProtocol.from_dict(spec["markers"])
+    start = time.perf_counter()
+    try:
+        spans = load.unique_spans()
+        outcomes = await gather_bounded((prefill_span(backend, s, protocol) for s in spans),
+                                        run.max_num_seqs)
+    finally:
+        await backend.close()  # stops the engine core: the disk tier finishes its writes
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    return {"name": f"populate {run.name}", "spans": len(spans), "failed": len(failed),
+            "seconds": time.perf_counter() - start}
+
+
+def kv_share_child(spec: dict) -> dict:
+    """Peak KV blocks in use while N requests share one document at different offsets.
+
+    Request i is [SSep filler_i][SSep document][PDep task_i], filler_i being 1-16 blocks: the
+    document sits at a different offset in most requests. Every span (the document and each
+    filler) is prefilled alone first, as the client tools do; then all requests are submitted
+    at once and the engine is stepped by hand, reading the block pool after every step
+    (in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0). Stock vLLM gets the same token
+    ids: its prefix cache cannot reuse the document after a different filler, so it holds one
+    copy per request, which is also what a copy-based PIC scheme holds.
+    """
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from minipic.client import block_attention
+    from minipic.client.span_prefill import probe_prompt
+    from minipic.protocol import SpanProtocol
+
+    block = spec["engine"]["block_size"]
+    protocol = SpanProtocol.from_dict(spec["markers"])
+    words = bench_ttft.random_words(random.Random(spec["seed"]), spec["arch"])
+    document = words(spec["doc_tokens"])
+    prompts = [block_attention([words((1 + i % 16) * block - 1), document], words(TASK_TOKENS),
+                               protocol=protocol, block_size=block)
+               for i in range(spec["requests"])]
+    config = CONFIGS["3"] if spec["minipic"] else CONFIGS["2"]
+    args, _ = engine_args(spec, config, max(spec["requests"], 16))
+    llm = LLM(**args)
+    one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    spans = {tuple(s): s for p in prompts for s in p.span_prefills}
+    llm.generate([TokensPrompt(prompt_token_ids=probe_prompt(s, protocol))
+                  for s in spans.values()], one_token, use_tqdm=False)
+    decode = SamplingParams(max_tokens=spec["decode_tokens"], temperature=0.0, ignore_eos=True)
+    peak = step_until_done(llm, [p.final for p in prompts], decode)
+    doc_blocks = len(prompts[0].span_prefills[-1]) // block
+    return {"name": "minipic" if spec["minipic"] else "stock", "requests": len(prompts),
+            "doc_blocks": doc_blocks, **peak,
+            # The same requests, each with a private copy of the document:
+            "copy_based_blocks": peak["peak_blocks"] + (peak["running_at_peak"] - 1) * doc_blocks,
+            "expected_cached_tokens": sum(p.expected_cached_tokens for p in prompts)}
+
+
+def step_until_done(llm, prompts: list[list[int]], params) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core  # InprocClient -> EngineCore
+    pool = core.scheduler.kv_cache_manager.block_pool
+    in_use = lambda: pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # 1: the null block
+    before = in_use()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"share-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    peak, running_at_peak, cached, steps = 0, 0, 0, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            cached += output.num_cached_tokens if output.finished else 0
+        steps += 1
+        if in_use() > peak:
+            peak, running_at_peak = in_use(), len(core.scheduler.running)
+    return {"blocks_in_use_before": before, "peak_blocks": peak - before,
+            "running_at_peak": running_at_peak, "steps": steps, "cached_tokens": cached,
+            "total_blocks": pool.num_gpu_blocks - 1}
+
+
+def preload_child(spec: dict) -> dict:
+    """Figure 2, left and middle: prefill time of prompts nothing in the cache can serve.
+
+    Left: one plain prompt (no markers) of each length. Middle: k documents of doc_tokens,
+    each an SSep span prefilled as its own request, all k in one batch (as minipic-preload
+    sends them). Fresh token ids for every measurement; median of `repeats`.
+    """
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from minipic.client import make_span
+    from minipic.client.span_prefill import probe_prompt
+    from minipic.protocol import SpanProtocol
+
+    protocol = SpanProtocol.from_dict(spec["markers"])
+    words = bench_ttft.random_words(random.Random(spec["seed"]), spec["arch"])
+    config = CONFIGS["3"] if spec["minipic"] else CONFIGS["2"]
+    args, _ = engine_args(spec, config, 256)
+    llm = LLM(**args)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def timed(prompts: list[list[int]]) -> float:
+        start = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed([words(64)])  # warm-up
+    span = lambda: probe_prompt(make_span(words(spec["doc_tokens"]), protocol,
+                                          spec["engine"]["block_size"]), protocol)
+    median = lambda make: statistics.median(timed(make()) for _ in range(spec["repeats"]))
+    return {"name": "minipic" if spec["minipic"] else "stock",
+            "by_length": [{"tokens": n, "seconds": median(lambda: [words(n)])}
+                          for n in spec["lengths"]],
+            "by_docs": [{"docs": k, "seconds": median(lambda: [span() for _ in range(k)])}
+                        for k in spec["doc_counts"]]}
+
+
+CHILDREN = {"table1": table1_child, "populate": populate_child, "kv-share": kv_share_child,
+            "preload": preload_child}
+
+
+def child_main(spec_path: Path) -> None:
+    spec = json.loads(spec_path.read_text())
+    result = CHILDREN[spec["kind"]](spec)
+    if asyncio.iscoroutine(result):
+        result = asyncio.run(result)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_child(spec: dict, work: Path, logs: Path, env: dict | None = None) -> dict:
+    """Run one child process; its log goes to logs/, its result (or error) comes back."""
+    name = spec.get("name", spec["kind"])
+    slug = "".join(c if c.isalnum() else "_" for c in name)
+    spec_path = work / f"{slug}.json"
+    spec_path.write_text(json.dumps(spec))
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, **(env or {})}
+    print(f"[bench_rag] {name} ...", flush=True)
+    start = time.perf_counter()
+    with open(logs / f"{slug}.log", "w") as log:
+        proc = subprocess.run([sys.executable, __file__, "child", str(spec_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=log, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (logs / f"{slug}.log").read_text()[-3000:]
+        print(f"[bench_rag] {name} failed (rc {proc.returncode}):\n{tail}", file=sys.stderr)
+        return {"name": name, "error": tail}
+    print(f"[bench_rag] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ---------------------------------------------------------------------------- table 1
+
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * width
+
+
+def table1(args, base: dict, work: Path) -> None:
+    runs = plan_runs(args)
+    results: list[dict] = []
+    for run in runs:
+        spec = dict(base, kind="table1", name=run.name, run=dataclasses.asdict(run))
+        if CONFIGS[run.config].disk_warm:
+            spec = disk_tier_spec(spec, run, args, base, work)
+            if "error" in spec:
+                results.append({"name": run.name, "error": spec["error"]})
+                continue
+            populated = run_child(dict(spec, kind="populate", name=f"populate {run.name}"),
+                                  work, args.out / "logs")
+            spec["populate"] = populated
+            if "error" in populated:
+                results.append({"name": run.name, "error": "populate: " + populated["error"]})
+                save_table1(args, results)
+                continue
+        result = run_child(spec, work, args.out / "logs")
+        if "populate" in spec:
+            result["populate"] = spec["populate"]
+            shutil.rmtree(spec["store"], ignore_errors=True)
+        results.append(result)
+        save_table1(args, results)
+    print((args.out / "table1.md").read_text())
+
+
+def disk_tier_spec(spec: dict, run: Run, args, base: dict, work: Path) -> dict:
+    """A fresh store for this run; refused (an error entry) when the spans cannot fit on disk."""
+    store = Path(args.store_dir or work) / f"store-{run.config}-{run.max_num_seqs}-{run.repeat_rate}"
+    load = rag_workload(base["arch"], base["samples"], run.repeat_rate, base["seed"],
+                        base["engine"]["block_size"], base["markers"])
+    needed = sum(map(len, load.unique_spans())) * kv_bytes_per_token(base["model"],
+                                                                     base["engine"]["dtype"])
+    store.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(store.parent).free
+    limit = int(args.disk_max_gb * 2**30)
+    if needed > min(free * 0.9, limit):
+        return {"error": f"the spans need ~{needed / 2**30:.1f} GiB of store, more than the "
+                         f"limit ({limit / 2**30:.0f} GiB) or 90% of the free disk "
+                         f"({free / 2**30:.0f} GiB): use fewer --samples or a higher repeat rate"}
+    return dict(spec, store=str(store), disk_max_bytes=limit, store_bytes_estimate=needed)
+
+
+def save_table1(args, results: list[dict]) -> None:
+    meta = {k: v for k, v in vars(args).items() if k not in ("out", "func", "command")}
+    (args.out / "table1.json").write_text(json.dumps(
+        {"args": meta, "host": host_facts(), "results": results}, indent=1, default=str))
+    (args.out / "table1.md").write_text(table1_markdown(results, meta))
+
+
+def table1_markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"arch {meta.get('arch')}, {meta.get('samples')} samples, seed {meta.get('seed')}", ""]
+    by_rate: dict[float, list[dict]] = {}
+    for r in results:
+        if "error" in r:
+            lines.append(f"- {r['name']}: **failed**, see logs/ (`{r['error'][-200:].strip()}`)")
+        else:
+            by_rate.setdefault(r["repeat_rate"], []).append(r)
+    for rate, rows in sorted(by_rate.items()):
+        base = {r["config"]: r["samples_per_s"] for r in rows if r["config"] in ("1", "2")}
+        ratio = lambda r, k: f"{r['samples_per_s'] / base[k]:.2f}x" if k in base else "-"
+        lines += ["", f"### repeat rate {rate} (measured {rows[0]['measured_repeat_rate']:.3f})",
+                  "", "| # | configuration | strategy | max_num_seqs | attention | samples/s | "
+                  "vs (1) | vs (2) | cached / prompt tokens | failed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            lines.append(f"| {r['config']} | {r['label']} | {r['strategy']} | {r['max_num_seqs']} | "
+                         f"{r['attention']} | {r['samples_per_s']:.2f} | {ratio(r, '1')} | "
+                         f"{ratio(r, '2')} | {r['cached_tokens']} / {r['prompt_tokens']} | "
+                         f"{r['failed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def host_facts() -> dict:
+    facts = {"python": sys.version.split()[0], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                         time.gmtime())}
+    try:
+        facts["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                      capture_output=True, text=True).stdout.strip() or None
+    except OSError:
+        facts["gpu"] = None
+    return facts
+
+
+def report(args) -> None:
+    """Merge table1.json files of several invocations into one table (configs split by the
+    10-minute device limit). Rows keep their own run's facts; ratios need (1)/(2) at the rate."""
+    results, meta = [], {}
+    for directory in args.dirs:
+        data = json.loads((Path(directory) / "table1.json").read_text())
+        results += data["results"]
+        meta = meta or data["args"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table1.json").write_text(json.dumps(
+        {"merged_from": [str(d) for d in args.dirs], "args": meta, "results": results}, indent=1))
+    (args.out / "table1.md").write_text(table1_markdown(results, meta))
+    print((args.out / "table1.md").read_text())
+
+
+# ---------------------------------------------------------------------------- figure 2, KV share
+
+def figure2(args, base: dict, work: Path) -> None:
+    out = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "func", "command")},
+           "host": host_facts()}
+    save = lambda: (args.out / "figure2.json").write_text(json.dumps(out, indent=1, default=str))
+    if "preload" in args.parts:
+        engine = dict(base["engine"], max_model_len=max(args.lengths) + 64)
+        out["preload"] = [run_child(dict(base, engine=engine, kind="preload", name=f"preload {impl}",
+                                         minipic=impl == "minipic", lengths=args.lengths,
+                                         doc_counts=args.doc_counts, doc_tokens=args.doc_tokens,
+                                         repeats=args.repeats), work, args.out / "logs")
+                          for impl in ("stock", "minipic")]
+        save()
+    if "ttft" in args.parts:
+        out["ttft"] = bench_ttft.measure(args.arch, args.doc_counts, args.doc_tokens,
+                                         args.repeats, args.eager)
+        save()
+    plot_figure2(out, args.out / "figure2.png")
+
+
+def plot_figure2(data: dict, path: Path) -> None:
+    """Three panels like the paper's; skipped (with a note) where matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench_rag] matplotlib not importable: no figure2.png (the JSON has the data)")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for series in (s for s in data.get("preload", []) if "error" not in s):
+        axes[0].plot([p["tokens"] for p in series["by_length"]],
+                     [p["seconds"] for p in series["by_length"]], "o-", label=series["name"])
+        axes[1].plot([p["docs"] for p in series["by_docs"]],
+                     [p["seconds"] for p in series["by_docs"]], "o-", label=series["name"])
+    for phase in (p for p in data.get("ttft", []) if "error" not in p):
+        axes[2].plot([p["docs"] for p in phase["points"]],
+                     [p["median_ttft_s"] * 1e3 for p in phase["points"]], "o-", label=phase["phase"])
+    titles = [("preload time vs prompt length (no spans)", "prompt tokens", "seconds"),
+              ("preload time vs document count", "documents in one batch", "seconds"),
+              ("TTFT vs cached documents", "documents in the final prompt", "median TTFT (ms)")]
+    for ax, (title, x, y) in zip(axes, titles):
+        ax.set(title=title, xlabel=x, ylabel=y)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"[bench_rag] wrote {path}")
+
+
+def kv_share(args, base: dict, work: Path) -> None:
+    engine = base["engine"]  # its max_model_len (4096 or more) fits 16 filler blocks + the document
+    results = []
+    for impl in ("minipic", "stock"):
+        results.append(run_child(dict(base, engine=engine, kind="kv-share", name=f"kv-share {impl}",
+                                      minipic=impl == "minipic", requests=args.requests,
+                                      doc_tokens=args.doc_tokens, decode_tokens=args.decode_tokens),
+                                 work, args.out / "logs", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
+        (args.out / "kv_share.json").write_text(json.dumps(
+            {"args": vars(args), "host": host_facts(), "results": results}, indent=1, default=str))
+    lines = ["| engine | requests | running at peak | document blocks | peak blocks in use | "
+             "a copy per request would need | cached tokens (expected with minipic) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r.get('requests')} | {r.get('running_at_peak')} | "
+                     f"{r.get('doc_blocks')} | {r.get('peak_blocks')} | "
+                     f"{r.get('copy_based_blocks')} | {r.get('cached_tokens')} "
+                     f"({r.get('expected_cached_tokens')}) |" if "error" not in r else
+                     f"| {r['name']} | failed, see logs/ | | | | | |")
+    (args.out / "kv_share.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------- command line
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--arch", choices=["llama3-8b", "tiny"], default="llama3-8b")
+    common.add_argument("--out", type=Path, default=Path("bench_rag_out"), help="a directory")
+    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--eager", action="store_true", help="enforce_eager (faster start)")
+    common.add_argument("--quick", action="store_true", help="tiny sizes, for smoke runs")
+
+    t1 = commands.add_parser("table1", parents=[common], help="samples/s per configuration")
+    t1.add_argument("--configs", default="1,2,3,4,5,6",
+                    help="e.g. 1,3,5 or 5:1024 (a bare 5 runs every --isps-seqs)")
+    t1.add_argument("--repeat-rate", type=floats, default=[0.3, 0.4, 0.6, 0.9])
+    t1.add_argument("--samples", type=int, default=4000)
+    t1.add_argument("--warmup", type=int, default=64, help="samples run before timing")
+    t1.add_argument("--max-num-seqs", type=int, default=1024, help="configs 1-4 and 6")
+    t1.add_argument("--isps-seqs", type=bench_ttft.int_list, default=[64, 1024, 2048])
+    t1.add_argument("--batch-size", type=int, default=64, help="config 4's barrier batch")
+    t1.add_argument("--max-batched-tokens", type=int, help="vLLM's max_num_batched_tokens")
+    t1.add_argument("--store-dir", help="where config 6's store goes (default: a temp dir)")
+    t1.add_argument("--disk-max-gb", type=float, default=40.0, help="config 6's store limit")
+    t1.set_defaults(func=table1)
+
+    f2 = commands.add_parser("figure2", parents=[common], help="TTFT and preload times")
+    f2.add_argument("--parts", default="preload,ttft")
+    f2.add_argument("--doc-counts", type=bench_ttft.int_list, default=[1, 2, 5, 10, 20, 30, 40])
+    f2.add_argument("--doc-tokens", type=int, default=1000)
+    f2.add_argument("--lengths", type=bench_ttft.int_list,
+                    default=[1000, 2000, 4000, 8000, 16000, 32000])
+    f2.add_argument("--repeats", type=int, default=3)
+    f2.set_defaults(func=figure2)
+
+    kv = commands.add_parser("kv-share", parents=[common], help="peak KV blocks, shared document")
+    kv.add_argument("--requests", type=int, default=64)
+    kv.add_argument("--doc-tokens", type=int, default=1000)
+    kv.add_argument("--decode-tokens", type=int, default=32,
+                    help="keeps requests running, so all of them hold their blocks at once")
+    kv.set_defaults(func=kv_share)
+
+    rep = commands.add_parser("report", help="merge table1.json of several runs")
+    rep.add_argument("dirs", nargs="+", type=Path)
+    rep.add_argument("--out", type=Path, required=True)
+    rep.set_defaults(func=None)
+
+    ch = commands.add_parser("child", help=argparse.SUPPRESS)
+    ch.add_argument("spec", type=Path)
+    args = parser.parse_args()
+    if getattr(args, "quick", False):
+        apply_quick(args)
+    return args
+
+
+def apply_quick(args) -> None:
+    """Smoke-run sizes: a handful of samples and points, two repeat rates at most."""
+    quick = {"table1": dict(samples=12, warmup=2, repeat_rate=args.__dict__.get("repeat_rate",
+                                                                               [0.6])[:1],
+                            isps_seqs=[4]),
+             "figure2": dict(doc_counts=[1, 3], doc_tokens=100, lengths=[128, 512], repeats=1),
+             "kv-share": dict(requests=6, doc_tokens=200, decode_tokens=4)}[args.command]
+    for key, value in quick.items():
+        setattr(args, key, value)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.command == "child":
+        child_main(args.spec)
+        return
+    if args.command == "report":
+        report(args)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    if hasattr(args, "parts"):
+        args.parts = args.parts.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        model, engine, markers = bench_ttft.make_model(args.arch, Path(tmp))
+        engine["enforce_eager"] = engine.get("enforce_eager", False) or args.eager
+        if args.command == "table1":
+            engine["max_model_len"] = TABLE1_MAX_MODEL_LEN
+            if args.max_batched_tokens:
+                engine["max_num_batched_tokens"] = args.max_batched_tokens
+        base = dict(arch=args.arch, model=model, engine=engine, markers=markers, seed=args.seed,
+                    samples=getattr(args, "samples", None), warmup=getattr(args, "warmup", None),
+                    batch_size=getattr(args, "batch_size", None))
+        args.func(args, base, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
