@@ -340,8 +340,9 @@ def kv_share_child(spec: dict) -> dict:
     doc_blocks = len(prompts[0].span_prefills[-1]) // block
     return {"name": "minipic" if spec["minipic"] else "stock", "requests": len(prompts),
             "doc_blocks": doc_blocks, **peak,
-            # The same requests, each with a private copy of the document:
-            "copy_based_blocks": peak["peak_blocks"] + (peak["running_at_peak"] - 1) * doc_blocks,
+            # minipic's requests, each with a private copy of the document (stock: it is one):
+            "copy_based_blocks": peak["peak_blocks"] + (peak["running_at_peak"] - 1) * doc_blocks
+            if spec["minipic"] else None,
             "expected_cached_tokens": sum(p.expected_cached_tokens for p in prompts)}
 
 
@@ -498,24 +499,32 @@ def save_table1(args, results: list[dict]) -> None:
 
 
 def table1_markdown(results: list[dict], meta: dict) -> str:
-    lines = [f"arch {meta.get('arch')}, {meta.get('samples')} samples, seed {meta.get('seed')}", ""]
-    by_rate: dict[float, list[dict]] = {}
+    lines = [f"arch {meta.get('arch')}, seed {meta.get('seed')}", ""]
+    # Ratios only between rows of one run (report() tags merged rows with their run).
+    groups: dict[tuple, list[dict]] = {}
     for r in results:
         if "error" in r:
             lines.append(f"- {r['name']}: **failed**, see logs/ (`{r['error'][-200:].strip()}`)")
         else:
-            by_rate.setdefault(r["repeat_rate"], []).append(r)
-    for rate, rows in sorted(by_rate.items()):
+            groups.setdefault((r.get("run", ""), r["repeat_rate"]), []).append(r)
+    for (run, rate), rows in sorted(groups.items()):
         base = {r["config"]: r["samples_per_s"] for r in rows if r["config"] in ("1", "2")}
         ratio = lambda r, k: f"{r['samples_per_s'] / base[k]:.2f}x" if k in base else "-"
-        lines += ["", f"### repeat rate {rate} (measured {rows[0]['measured_repeat_rate']:.3f})",
+        where = f", run {run}" if run else ""
+        lines += ["", f"### repeat rate {rate} (measured {rows[0]['measured_repeat_rate']:.3f})"
+                      f"{where}, {rows[0]['samples']} samples",
                   "", "| # | configuration | strategy | max_num_seqs | attention | samples/s | "
-                  "vs (1) | vs (2) | cached / prompt tokens | failed |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "vs (1) | vs (2) | cached / prompt tokens (expected) | spans prefilled "
+                  "(already cached) | failed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
+            expected = r.get("expected_cached_tokens")
+            spans = (f"{r['span_prefills']} ({r['spans_already_cached']})"
+                     if "span_prefills" in r else "-")
             lines.append(f"| {r['config']} | {r['label']} | {r['strategy']} | {r['max_num_seqs']} | "
                          f"{r['attention']} | {r['samples_per_s']:.2f} | {ratio(r, '1')} | "
-                         f"{ratio(r, '2')} | {r['cached_tokens']} / {r['prompt_tokens']} | "
+                         f"{ratio(r, '2')} | {r['cached_tokens']} / {r['prompt_tokens']}"
+                         f"{'' if expected is None else f' ({expected})'} | {spans} | "
                          f"{r['failed']} |")
     return "\n".join(lines) + "\n"
 
@@ -537,7 +546,7 @@ def report(args) -> None:
     results, meta = [], {}
     for directory in args.dirs:
         data = json.loads((Path(directory) / "table1.json").read_text())
-        results += data["results"]
+        results += [dict(r, run=Path(directory).name) for r in data["results"]]
         meta = meta or data["args"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table1.json").write_text(json.dumps(
@@ -613,7 +622,7 @@ def kv_share(args, base: dict, work: Path) -> None:
     for r in results:
         lines.append(f"| {r['name']} | {r.get('requests')} | {r.get('running_at_peak')} | "
                      f"{r.get('doc_blocks')} | {r.get('peak_blocks')} | "
-                     f"{r.get('copy_based_blocks')} | {r.get('cached_tokens')} "
+                     f"{r.get('copy_based_blocks') or '-'} | {r.get('cached_tokens')} "
                      f"({r.get('expected_cached_tokens')}) |" if "error" not in r else
                      f"| {r['name']} | failed, see logs/ | | | | | |")
     (args.out / "kv_share.md").write_text("\n".join(lines) + "\n")
