@@ -17,7 +17,9 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 | v1.attention.selector.get_attn_backend           | worker      | pick minipic's position-free backend  |
 |   (+ the copy imported into model_executor.layers.attention.attention)               |
 | v1.worker.gpu_model_runner.GPUModelRunner        | worker      | let attention read marker blocks from |
-|   .__init__ (V1 runner; the CPU runner's base)   |             | the runner's token-id table           |
+|   .__init__ (V1 runner; the CPU runner's base)   |             | the runner's token-id table; drop     |
+|                                                  |             | ropes cached for another engine       |
+|                                                  |             | (model_executor.layers.rotary_embedding._ROPE_DICT) |
 | v1.worker.gpu.model_runner.GPUModelRunner        | worker      | same for Model Runner V2, plus the    |
 |   .__init__ and .prepare_inputs                  |             | batch's rows of that table            |
 """
@@ -187,14 +189,31 @@ def _patch_attention_selector() -> None:
 
 
 def _register_runner_after_init(original):
-    """Wrap a model runner's __init__: hand the runner to minipic's segment table."""
+    """Wrap a model runner's __init__ (before its model is built): hand the runner to
+    minipic's segment table, and drop rotary embeddings cached for another engine."""
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
-        if is_enabled(vllm_config):
+        minipic_on = is_enabled(vllm_config)
+        _forget_cached_ropes(keep_stock=not minipic_on)
+        if minipic_on:
+            from minipic.attention.rope import reset_rope
             from minipic.attention.segments import register_runner
 
+            reset_rope()
             register_runner(self, _span_protocol(vllm_config))
     return __init__
+
+
+def _forget_cached_ropes(keep_stock: bool) -> None:
+    """vLLM's get_rope caches instances per process (_ROPE_DICT). A second engine in
+    the same process must not get the first one's: a Q-only rope in a stock engine
+    would leave K unrotated. minipic engines rebuild all (each registers itself)."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    cache = getattr(rotary_embedding, "_ROPE_DICT", {})
+    for key, rope in list(cache.items()):
+        if not keep_stock or getattr(rope, "minipic_query_only", False):
+            del cache[key]
 
 
 def _patch_model_runner_init() -> None:

@@ -38,6 +38,10 @@ def model_problems(vllm_config: Any) -> list[str]:
         "supported": vllm_config.cache_config.cache_dtype != "auto",
         "speculative decoding: the draft model is not checked for RoPE": vllm_config.speculative_config
         is not None,
+        f"runner type {mc.runner_type!r} (pooling/embedding models may use bidirectional "
+        "attention layers minipic does not replace): only 'generate'": mc.runner_type != "generate",
+        "decode context parallelism: hash blocks span several KV blocks": getattr(
+            vllm_config.parallel_config, "decode_context_parallel_size", 1) > 1,
     }
     problems = [reason for reason, present in checks.items() if present]
     pass_config = vllm_config.compilation_config.pass_config

@@ -23,3 +23,9 @@ def test_ssep_segments_and_pdep_reset():
 
 def test_rows_are_independent_and_span_at_block_zero():
     assert table([3, 7, 3], [7, 7, 3], block_size=16) == [[0, 0, 32], [0, 0, 32]]
+
+
+def test_markers_in_generated_tokens_are_ignored():
+    firsts = torch.tensor([[1, 3, 50, 3]])  # the second SSep is a generated token
+    starts = segment_start_table(firsts, P, 32, prompt_lens=torch.tensor([96]))
+    assert starts.tolist() == [[0, 32, 32, 32]]

@@ -105,6 +105,9 @@ def _refuse_unsupported(rope: Any) -> None:
         for name in ("forward_native", "forward_cuda", "forward_cpu", "forward_static")
         if getattr(cls, name, None) is not getattr(RotaryEmbedding, name)
     ]
+    # Several linear scaling factors offset Q positions per request (long-context LoRA).
+    if len(getattr(rope, "scaling_factors", None) or ()) > 1:
+        overridden.append("several scaling factors with per-request position offsets")
     if not isinstance(rope, RotaryEmbedding) or overridden:
         raise UnsupportedRopeError(
             f"minipic cannot use this model's rotary embedding {cls.__name__}: it "

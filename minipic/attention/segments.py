@@ -42,12 +42,19 @@ def note_mrv2_batch(idx_mapping: torch.Tensor) -> None:
 
 
 def segment_start_table(block_first_tokens: torch.Tensor, protocol: SpanProtocol,
-                        block_size: int) -> torch.Tensor:
-    """[reqs, blocks] first tokens -> [reqs, blocks] first key position each block may see."""
+                        block_size: int, prompt_lens: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """[reqs, blocks] first tokens -> [reqs, blocks] first key position each block may see.
+
+    Markers count in the prompt only (`prompt_lens` [reqs]), as in the block hasher.
+    """
     num_blocks = block_first_tokens.shape[1]
     block_index = torch.arange(num_blocks, device=block_first_tokens.device)
     is_ssep = block_first_tokens == protocol.ssep_token_id
     resets = is_ssep | (block_first_tokens == protocol.pdep_token_id)
+    if prompt_lens is not None:
+        in_prompt = block_index[None, :] * block_size < prompt_lens.to(block_index.device)[:, None]
+        is_ssep, resets = is_ssep & in_prompt, resets & in_prompt
     # SSep starts a segment at its own block; PDep restarts "see everything" (0).
     reset_value = torch.where(is_ssep, block_index * block_size, 0)
     last_reset = torch.where(resets, block_index, -1).cummax(dim=1).values
@@ -55,21 +62,29 @@ def segment_start_table(block_first_tokens: torch.Tensor, protocol: SpanProtocol
     return torch.where(last_reset >= 0, starts, 0).to(torch.int32)
 
 
-def _block_first_tokens(num_reqs: int, block_size: int) -> torch.Tensor | None:
+def _block_first_tokens(num_reqs: int, block_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch's first token of every block, and its prompt lengths."""
     if _runner is None:
         return None
     if hasattr(_runner, "req_states"):  # Model Runner V2
         if _mrv2_idx_mapping is None:
             return None  # dummy / capture runs before any real batch
         rows = _mrv2_idx_mapping[:num_reqs].long()
-        return _runner.req_states.all_token_ids.gpu[:, ::block_size][rows]
-    return _runner.input_batch.token_ids_cpu_tensor[:num_reqs, ::block_size]
+        states = _runner.req_states
+        return states.all_token_ids.gpu[:, ::block_size][rows], states.prefill_len.gpu[rows]
+    batch = _runner.input_batch
+    return (batch.token_ids_cpu_tensor[:num_reqs, ::block_size],
+            torch.from_numpy(batch.num_prompt_tokens[:num_reqs]))
 
 
 def segment_table(num_reqs: int, block_size: int) -> torch.Tensor | None:
     """First visible key per (request, block) of the current batch; None if unknown."""
-    firsts = _block_first_tokens(num_reqs, block_size)
-    return None if firsts is None else segment_start_table(firsts, _protocol, block_size)
+    found = _block_first_tokens(num_reqs, block_size)
+    if found is None:
+        return None
+    firsts, prompt_lens = found
+    return segment_start_table(firsts, _protocol, block_size, prompt_lens)
 
 
 def first_visible_keys(query_start_loc: list[int], seq_lens: list[int],

@@ -30,7 +30,17 @@ from minipic.connector.scheduler.span_heads import SpanHeads, span_head_keys
 
 
 def check_engine_config(vllm_config: Any) -> None:
-    """Configurations under which the store would silently never hit."""
+    """Configurations under which the store would be wrong or silently never hit."""
+    from minipic.config import is_enabled
+
+    if not is_enabled(vllm_config):
+        raise ConnectorConfigError(
+            "MiniPICConnector stores position-free KV: minipic cannot be switched off "
+            "(\"enabled\": false) while this connector is in use")
+    if vllm_config.lora_config is not None:
+        raise ConnectorConfigError(
+            "MiniPICConnector with LoRA is not supported: block hashes key adapters by name, "
+            "so a changed adapter could be served stale KV from the persistent store")
     cache = vllm_config.cache_config
     if not cache.enable_prefix_caching:
         raise ConnectorConfigError(
@@ -64,8 +74,7 @@ class MiniPICConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         apply_offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         check_minipic_active(role)
-        if role == KVConnectorRole.SCHEDULER:
-            check_engine_config(vllm_config)
+        check_engine_config(vllm_config)  # both roles: workers must not store rotated K
         super().__init__(vllm_config, role, kv_cache_config)
         self._span_heads: SpanHeads | None = None
         if self.connector_scheduler is not None:

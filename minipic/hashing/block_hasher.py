@@ -1,13 +1,15 @@
 """Engine-core side: block hashes with SSep chain resets and PDep full-context hashes.
 
-For each full block b of a request (tokens x_b, stock extra keys e_b):
+For each full block b of a request (tokens x_b, stock extra keys e_b); markers
+count in the prompt only, generated tokens never start a span:
   * x_b starts with SSep: h_b = H(seed, x_b, e_b + salt)        -- chain reset
   * x_b starts with PDep: h_b = H(H(seed, "pdep", h_0..h_{b-1}), x_b, e_b + salt)
   * otherwise:            h_b = H(h_{b-1} or seed, x_b, e_b)    -- stock chaining
 The PDep hash commits to every earlier block hash, hence to every earlier token
 and extra key (the paper's fork hashed only the block itself: a false-hit bug).
-`salt` is the request's cache_salt: stock vLLM keys only block 0 with it, which
-a chain reset would drop, so every reset block carries it again.
+`salt` is the request's cache_salt: stock vLLM keys only block 0 with it (in a
+version-specific form), which a chain reset would drop, so every reset block
+carries it again, in one form at every offset.
 
 With no markers this is exactly vLLM's chaining with the same hash function
 and seed, so hashes equal stock vLLM 0.32's (with PYTHONHASHSEED unset; minipic
@@ -47,13 +49,21 @@ def check_hash_algo(name: str) -> None:
         )
 
 
-def _with_salt(extra_keys: tuple | None, salt: str | None) -> tuple | None:
-    if not salt:
-        return extra_keys
-    salt_key = ("cache_salt", salt)
-    if extra_keys and salt_key in extra_keys:
-        return extra_keys
-    return (*(extra_keys or ()), salt_key)
+class _WithoutSalt:
+    """A request as vLLM's extra-key function would see it without a cache_salt.
+
+    Stock vLLM keys block 0 with the salt, in a version-specific form (0.25: the
+    bare string, 0.32: a tagged pair). A marker block must be keyed the same at
+    every offset, so it takes the stock keys without the salt and adds its own.
+    """
+
+    cache_salt = None
+
+    def __init__(self, request: Any):
+        self._request = request
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
 
 
 class SpanBlockHasher:
@@ -74,9 +84,15 @@ class SpanBlockHasher:
         return previous[-1] if previous else self.seed
 
     def hash_block(self, tokens: Sequence[int], previous: Sequence[bytes],
-                   extra_keys: tuple | None, cache_salt: str | None) -> bytes:
-        if tokens[0] in self.protocol.markers:
-            extra_keys = _with_salt(extra_keys, cache_salt)
+                   extra_keys: tuple | None, cache_salt: str | None,
+                   in_prompt: bool = True) -> bytes:
+        """`extra_keys` of a marker block must come without vLLM's block-0 salt."""
+        # Markers act in prompts only: generated tokens are never a span boundary.
+        if not in_prompt or tokens[0] not in self.protocol.markers:
+            parent = previous[-1] if previous else self.seed
+            return self.hash_block_tokens(self.hash_fn, parent, tokens, extra_keys)
+        if cache_salt:  # every chain reset carries the tenant's salt again
+            extra_keys = (*(extra_keys or ()), ("minipic-cache-salt", cache_salt))
         parent = self.parent_of(tokens[0], previous)
         return self.hash_block_tokens(self.hash_fn, parent, tokens, extra_keys)
 
@@ -87,7 +103,6 @@ def make_request_block_hasher(protocol: SpanProtocol, hash_block_size: int,
     from vllm.v1.core import kv_cache_utils as kcu
 
     seed = deterministic_seed(hash_fn)
-    kcu.NONE_HASH = kcu.BlockHash(seed)  # stock paths (e.g. events) agree with us
     hasher = SpanBlockHasher(protocol, hash_fn, kcu.hash_block_tokens, seed)
 
     def request_block_hasher(request: Any) -> list:
@@ -98,12 +113,15 @@ def make_request_block_hasher(protocol: SpanProtocol, hash_block_size: int,
         hashes: list = list(request.block_hashes)
         while start + hash_block_size <= request.num_tokens:
             end = start + hash_block_size
+            tokens = request.all_token_ids[start:end]
+            in_prompt = start < request.num_prompt_tokens
+            marker = in_prompt and tokens[0] in protocol.markers
             # Stock extra keys (LoRA, multimodal, prompt embeds, block-0 salt).
             # mm_idx restarts at 0 here; vLLM skips ahead only as an optimisation.
-            extra_keys, mm_idx = kcu.generate_block_hash_extra_keys(request, start, end, mm_idx)
-            tokens = request.all_token_ids[start:end]
-            hashes.append(kcu.BlockHash(
-                hasher.hash_block(tokens, hashes, extra_keys, request.cache_salt)))
+            extra_keys, mm_idx = kcu.generate_block_hash_extra_keys(
+                _WithoutSalt(request) if marker else request, start, end, mm_idx)
+            hashes.append(kcu.BlockHash(hasher.hash_block(
+                tokens, hashes, extra_keys, request.cache_salt, in_prompt)))
             start = end
         return hashes[first_new:]
 

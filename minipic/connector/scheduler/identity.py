@@ -44,7 +44,13 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any, connector_cls: Any) -> dic
             "layers": list(group.layer_names),
         })
     parallel = vllm_config.parallel_config
+    import vllm
+
     return {
+        # Cache tensor layouts differ between vLLM releases (0.25: [blocks, 2, ...],
+        # 0.32: [blocks, heads, ..., 2 * head]); quantized weights give other KV.
+        "vllm_version": vllm.__version__,
+        "quantization": vllm_config.model_config.quantization,
         "device": current_platform.device_type,
         "connector_layout": connector_cls.get_required_kvcache_layout(vllm_config),
         "cache_layout": getattr(vllm_config.cache_config, "kv_cache_layout", None),

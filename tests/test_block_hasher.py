@@ -1,0 +1,53 @@
+"""minipic's block hasher on vLLM's own Request objects (engine-core code path, no engine)."""
+
+from __future__ import annotations
+
+from vllm import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.request import Request
+
+from minipic.hashing.block_hasher import make_request_block_hasher
+from minipic.protocol import SpanProtocol
+
+B = 32
+SSEP, PDEP = 3, 4
+HASHER = make_request_block_hasher(SpanProtocol(SSEP, PDEP, 5), B, get_hash_fn_by_name("sha256"))
+SPAN = [SSEP] + list(range(100, 163))  # two blocks
+HEADER = list(range(10, 10 + B))
+
+
+def hashes(prompt: list[int], cache_salt: str | None = None, outputs: list[int] = ()) -> list:
+    request = Request("r", prompt, SamplingParams(max_tokens=len(outputs) + 1), None,
+                      cache_salt=cache_salt, block_hasher=HASHER)
+    if outputs:
+        request.append_output_token_ids(list(outputs))
+    return list(request.block_hashes)
+
+
+def test_span_hashes_ignore_offset():
+    assert hashes(SPAN) == hashes(HEADER + SPAN)[1:]
+
+
+def test_salted_span_hashes_ignore_offset_and_differ_by_salt():
+    # Stock vLLM salts block 0 only: the span alone (at block 0) and after a
+    # header must still hash alike, and never like another tenant's span.
+    assert hashes(SPAN, "a") == hashes(HEADER + SPAN, "a")[1:]
+    assert hashes(SPAN, "a") != hashes(SPAN, "b")
+    assert hashes(SPAN, "a") != hashes(SPAN)
+
+
+def test_generated_marker_does_not_reset_the_chain():
+    prompt = HEADER + list(range(200, 200 + B))
+    generated = [SSEP] + list(range(300, 300 + B - 1))
+    with_marker = hashes(prompt, outputs=generated)
+    plain = hashes(prompt, outputs=[7] + generated[1:])
+    alone = hashes(generated)  # the same block as an SSep prompt block
+    assert len(with_marker) == 3 and with_marker[2] != alone[0]
+    assert with_marker[:2] == plain[:2]
+
+
+def test_pdep_depends_on_every_earlier_block():
+    task = [PDEP] + list(range(50, 50 + B - 1))
+    other_span = [SSEP] + list(range(170, 233))
+    assert hashes(HEADER + SPAN + task)[-1] != hashes(HEADER + other_span + task)[-1]
+    assert hashes(HEADER + SPAN + task)[-1] == hashes(HEADER + SPAN + task)[-1]
