@@ -30,9 +30,9 @@ import functools
 import logging
 from typing import Any, Callable
 
-from minipic.config import CONFIG_KEY, is_enabled, minipic_options
+from minipic.config import CONFIG_KEY, is_enabled, span_protocol_of
 from minipic.hashing.block_hasher import check_hash_algo
-from minipic.protocol import SpanProtocol, resolve_span_protocol
+from minipic.protocol import SpanProtocol
 from minipic.support import check_supported
 
 # A child of vLLM's logger, so it shares vLLM's handlers and format.
@@ -103,7 +103,7 @@ def _prepare_config(vllm_config: Any) -> SpanProtocol:
     """
     check_supported(vllm_config)
     check_hash_algo(vllm_config.cache_config.prefix_caching_hash_algo)
-    protocol = _span_protocol(vllm_config)
+    protocol = span_protocol_of(vllm_config)
     if not isinstance(vllm_config.additional_config, dict):
         raise ValueError("minipic needs additional_config to be a dict")
     # New dicts: the caller's own additional_config must not change under it.
@@ -200,7 +200,7 @@ def _register_runner_after_init(original):
             from minipic.attention.segments import register_runner
 
             reset_rope()
-            register_runner(self, _span_protocol(vllm_config))
+            register_runner(self, span_protocol_of(vllm_config))
     return __init__
 
 
@@ -220,14 +220,6 @@ def _patch_model_runner_init() -> None:
     from vllm.v1.worker import gpu_model_runner
 
     _wrap(gpu_model_runner.GPUModelRunner, "__init__", _register_runner_after_init)
-
-
-def _span_protocol(vllm_config: Any) -> SpanProtocol:
-    """The span protocol from the config (ids pinned by _prepare_config, else the tokenizer)."""
-    mc = vllm_config.model_config
-    return resolve_span_protocol(minipic_options(vllm_config), mc.tokenizer,
-                                 revision=mc.tokenizer_revision,
-                                 trust_remote_code=mc.trust_remote_code)
 
 
 def _patch_model_runner_v2() -> None:

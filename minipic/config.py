@@ -41,3 +41,13 @@ def minipic_options(vllm_config: Any) -> dict[str, Any] | None:
 
 def is_enabled(vllm_config: Any) -> bool:
     return minipic_options(vllm_config) is not None
+
+
+def span_protocol_of(vllm_config: Any):
+    """The instance's span protocol: explicit ids in its options, else its tokenizer's."""
+    from minipic.protocol import resolve_span_protocol
+
+    mc = vllm_config.model_config
+    return resolve_span_protocol(minipic_options(vllm_config) or {}, mc.tokenizer,
+                                 revision=mc.tokenizer_revision,
+                                 trust_remote_code=mc.trust_remote_code)

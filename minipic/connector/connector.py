@@ -24,7 +24,6 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
-from minipic.config import minipic_options
 from minipic.connector.options import ConnectorConfigError, apply_offload_config
 from minipic.connector.scheduler.span_heads import SpanHeads, span_head_keys
 
@@ -83,12 +82,9 @@ class MiniPICConnector(OffloadingConnector):
     def _open_store(self, vllm_config: Any, kv_cache_config: Any) -> None:
         from minipic.connector.scheduler.disk_tier import MiniPICDiskTier
         from minipic.connector.scheduler.identity import namespace_fields
-        from minipic.protocol import resolve_span_protocol
+        from minipic.config import span_protocol_of
 
-        mc = vllm_config.model_config
-        protocol = resolve_span_protocol(minipic_options(vllm_config) or {}, mc.tokenizer,
-                                         revision=mc.tokenizer_revision,
-                                         trust_remote_code=mc.trust_remote_code)
+        protocol = span_protocol_of(vllm_config)
         self._ssep_token_id = protocol.ssep_token_id
         self._hash_block_size = vllm_config.cache_config.block_size
         self._num_groups = len(kv_cache_config.kv_cache_groups)

@@ -50,7 +50,6 @@ from minipic.connector.store.stats import ProcessCounters
 
 logger = logging.getLogger("minipic.connector")
 
-TIER_TYPE = "minipic_disk"
 # After a write fails for lack of space or permission, stop writing for this
 # long, then try again (eviction or an operator may have made room).
 WRITE_BACKOFF_S = 30.0
