@@ -216,3 +216,18 @@ def test_options_become_vllm_offload_config():
 def test_bad_options_fail_clearly(extra, message):
     with pytest.raises(ConnectorConfigError, match=message):
         apply_offload_config(extra)
+
+
+def test_eviction_sweeps_temp_files_of_dead_writers(tmp_path):
+    import os
+    import time
+
+    from minipic.connector.store.eviction import evict_lru
+
+    stale, fresh = tmp_path / "a.kv.123.abc.tmp", tmp_path / "b.kv.456.def.tmp"
+    stale.write_bytes(b"x" * 10)
+    fresh.write_bytes(b"y" * 10)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    evict_lru(tmp_path, max_bytes=1 << 20)
+    assert not stale.exists() and fresh.exists()  # a live writer's file stays

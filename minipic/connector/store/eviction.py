@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -23,6 +24,8 @@ from minipic.connector.store.namespace import BLOCK_SUFFIX
 
 LOCK_FILE = ".evict.lock"
 LOW_WATERMARK = 0.9  # evict down to 90% so eviction does not run on every store
+TEMP_SUFFIX = ".tmp"  # writers write <file>.<pid>.<random>.tmp, then rename
+STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died mid-write
 
 
 @dataclasses.dataclass
@@ -82,6 +85,7 @@ def evict_lru(root: str | os.PathLike, max_bytes: int,
     with _exclusive(root) as mine:
         if not mine:
             return EvictionResult(ran=False)
+        remove_stale_temp_files(root)
         blocks = list(iter_blocks(root))
         total = sum(b.size for b in blocks)
         result = EvictionResult(ran=True, remaining_bytes=total)
@@ -100,6 +104,21 @@ def evict_lru(root: str | os.PathLike, max_bytes: int,
                 result.removed_bytes += block.size
             result.remaining_bytes -= block.size
         return result
+
+
+def remove_stale_temp_files(root: str | os.PathLike, max_age_s: float = STALE_TEMP_S) -> int:
+    """Delete temp files of killed writers (never renamed, never counted as blocks)."""
+    removed, now = 0, time.time()
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            if not name.endswith(TEMP_SUFFIX):
+                continue
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                if now - os.stat(path).st_mtime > max_age_s:
+                    os.unlink(path)
+                    removed += 1
+    return removed
 
 
 def touch(path: str) -> None:
