@@ -155,6 +155,9 @@ class _Run:
             if waiting.pending == 0:
                 self.release(waiting)
         span.waiting.clear()
+        if isinstance(span.outcome, BaseException):
+            # Fail only the requests that waited; a later request retries the span.
+            self.spans.pop(span_key(span.tokens), None)
 
     def release(self, waiting: _Waiting) -> None:
         """All spans are done: queue the final prompt, or fail the request."""

@@ -163,3 +163,28 @@ def test_a_failing_input_stream_ends_the_run():
 
     with pytest.raises(OSError, match="lost the queue"):
         run(isps(FakeBackend(), 2), broken())
+
+
+def test_isps_retries_a_span_whose_prefill_failed_earlier():
+    """A transient failure fails the requests that waited for it, not every later one."""
+    failures = {"left": 1}
+
+    def fail_once(prompt):
+        if prompt[:len(DOCS[0]) + 1] != [PROTOCOL.ssep_token_id] + DOCS[0] or not failures["left"]:
+            return False
+        failures["left"] -= 1
+        return True
+
+    backend = FakeBackend(delay_s=0.005, fail_if=fail_once)
+
+    async def arriving():
+        yield request((0,), 0)
+        await asyncio.sleep(0.2)  # the first prefill of DOCS[0] has failed by now
+        yield request((0,), 1)
+
+    async def main():
+        return [r async for r in isps(backend, 2).stream(arriving())]
+
+    first, second = asyncio.run(main())
+    assert not first.ok and isinstance(first.error, SpanPrefillFailed)
+    assert second.ok and second.cached_tokens == second.expected_cached_tokens
