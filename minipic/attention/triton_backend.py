@@ -172,20 +172,17 @@ class MiniPICTritonImpl(TritonAttentionImpl):
                     f"rotary head size {rope.head_size} != attention head size {self.head_size}")
             table = rope.cos_sin(device)
             check_rope(self.head_size, rope.rotary_dim, table)
-            self._angle_addition_ok = _angle_addition_holds_cached(table)
+            self._angle_addition_ok = _angle_addition_holds_cached(rope, table)
             self._cos_sin = table
         return self._cos_sin
 
 
-_angle_checked: dict[tuple[int, tuple[int, ...]], bool] = {}
-
-
-def _angle_addition_holds_cached(table: torch.Tensor) -> bool:
-    """Once per table (layers share it). Reads the table back: load time, never in a forward."""
-    key = (table.data_ptr(), tuple(table.shape))
-    if key not in _angle_checked:
-        _angle_checked[key] = angle_addition_holds(table)
-    return _angle_checked[key]
+def _angle_addition_holds_cached(rope, table: torch.Tensor) -> bool:
+    """Once per model (layers share its rope). Reads the table back: load time, never
+    in a forward. Kept on the rope's parameters, which live exactly as long as the model."""
+    if getattr(rope, "angle_addition_ok", None) is None:
+        rope.angle_addition_ok = angle_addition_holds(table)
+    return rope.angle_addition_ok
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
