@@ -109,7 +109,8 @@ class RagWorkload:
         """The final prompts with every marker replaced by an ordinary token: same length and
         compute, but nothing for minipic to act on (what stock vLLM and config 3 get)."""
         marker_ids = set(self.markers.values())
-        return [[11 if t in marker_ids else t for t in p.final] for p in self.span_prompts]
+        ordinary = 11  # a plain word id in both models' vocabularies
+        return [[ordinary if t in marker_ids else t for t in p.final] for p in self.span_prompts]
 
     def unique_spans(self) -> list[list[int]]:
         return list({tuple(s): s for p in self.span_prompts for s in p.span_prefills}.values())
@@ -123,9 +124,11 @@ def repeat_slots(num_slots: int, repeat_rate: float, rng: random.Random) -> list
     return slots
 
 
-def draw_documents(samples: int, repeat_rate: float, rng: random.Random, new_doc) -> list[list]:
-    """Document indices per sample. A repeat slot takes a document seen earlier in the run
-    (uniformly, not one already in this sample); the first slot of the run is always new."""
+def draw_documents(samples: int, repeat_rate: float, rng: random.Random,
+                   new_doc) -> tuple[list, list[list[int]]]:
+    """(document pool, document indices per sample). A repeat slot takes a document seen
+    earlier in the run (uniformly, not one already in this sample); a repeat slot with no such
+    document (the run's first slot) takes a new one instead."""
     pool: list = []
     slots = iter(repeat_slots(samples * DOCS_PER_SAMPLE, repeat_rate, rng))
     chosen = []
@@ -142,7 +145,7 @@ def draw_documents(samples: int, repeat_rate: float, rng: random.Random, new_doc
                 doc = len(pool) - 1
             sample.append(doc)
         chosen.append(sample)
-    return [pool, chosen]
+    return pool, chosen
 
 
 def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_size: int,
