@@ -640,7 +640,8 @@ def floats(text: str) -> list[float]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    summary, _, examples = __doc__.partition("\n")
+    parser = argparse.ArgumentParser(description=summary, epilog=examples,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -686,7 +687,7 @@ def parse_args() -> argparse.Namespace:
     rep.add_argument("--out", type=Path, required=True)
     rep.set_defaults(func=None)
 
-    ch = commands.add_parser("child", help=argparse.SUPPRESS)
+    ch = commands.add_parser("child", help="internal: one engine, started by the commands above")
     ch.add_argument("spec", type=Path)
     args = parser.parse_args()
     if getattr(args, "quick", False):

@@ -1,0 +1,56 @@
+"""tools/bench_rag.py's workload and run plan (no engine): the benchmark's inputs are what
+docs/benchmarks.md says, and the same in every process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_rag  # noqa: E402
+
+MARKERS = {"ssep_token_id": 128002, "pdep_token_id": 128003, "pad_token_id": 128004}
+
+
+def workload(samples=200, rate=0.4, seed=0, block_size=16):
+    return bench_rag.rag_workload("llama3-8b", samples, rate, seed, block_size, MARKERS)
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    a, b, c = workload(), workload(), workload(seed=1)
+    assert [p.final for p in a.span_prompts] == [p.final for p in b.span_prompts]
+    assert a.span_prompts[0].final != c.span_prompts[0].final
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.4, 0.6, 0.9])
+def test_repeat_rate_is_what_was_asked(rate):
+    load = workload(samples=400, rate=rate)
+    # Only the first sample's repeat slots can lack an earlier document to repeat.
+    assert rate - 10 / 4000 <= load.repeat_rate <= rate
+    assert load.unique_docs == round(4000 * (1 - load.repeat_rate))
+
+
+def test_sample_shape_and_hits():
+    for prompt in workload().span_prompts:
+        spans = prompt.span_prefills
+        assert len(prompt.final) == 64 + 10 * 96 + 32  # no padding at block size 16
+        assert len(spans) == 11 and len({tuple(s) for s in spans[1:]}) == 10  # header + 10 docs
+        assert prompt.expected_cached_tokens == 64 + 10 * 96  # all but the task
+
+
+def test_plain_prompts_same_length_no_markers():
+    load = workload(samples=20)
+    for plain, prompt in zip(load.plain_prompts(), load.span_prompts):
+        assert len(plain) == len(prompt.final)
+        assert not set(plain) & set(MARKERS.values())
+
+
+def test_plan_runs_expands_isps_and_rates():
+    args = argparse.Namespace(configs="1,5,5:64", repeat_rate=[0.3, 0.9], isps_seqs=[64, 1024],
+                              max_num_seqs=1024)
+    names = [run.name for run in bench_rag.plan_runs(args)]
+    assert names == ["1@1024/r0.3", "5@64/r0.3", "5@1024/r0.3", "5@64/r0.3",
+                     "1@1024/r0.9", "5@64/r0.9", "5@1024/r0.9", "5@64/r0.9"]
