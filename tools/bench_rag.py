@@ -228,12 +228,17 @@ def is_cuda() -> bool:
     return current_platform.is_cuda()
 
 
-def connector_config(store: str, markers: dict, disk_max_bytes: int | None) -> dict:
+def connector_config(store: str, markers: dict, disk_max_bytes: int | None):
+    """A KVTransferConfig object: LLM(...) converts a dict itself, (Async)EngineArgs on
+    vLLM 0.25.1 does not."""
+    from vllm.config import KVTransferConfig
+
     extra = {"store_dir": store, **markers}
     if disk_max_bytes:
         extra["disk_max_bytes"] = disk_max_bytes
-    return {"kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    return KVTransferConfig(
+        kv_connector="MiniPICConnector", kv_connector_module_path="minipic.connector",
+        kv_role="kv_both", kv_connector_extra_config=extra)
 
 
 def engine_args(spec: dict, config: Config, max_num_seqs: int) -> tuple[dict, str]:
