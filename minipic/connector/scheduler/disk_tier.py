@@ -219,12 +219,18 @@ class MiniPICDiskTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._instant_results = self._instant_results, []
+        loaded = False
         for job_id, success in compat.finished_jobs(self._pool):
             keys, is_store = self._jobs.pop(job_id, ((), False))
             results.append(JobResult(job_id=job_id, success=success))
+            loaded |= success and not is_store
             if success and is_store:
                 self._bad_keys.difference_update(keys)  # rewritten: trust the file again
                 self._note_written(len(keys) * self._row_bytes)
+        if loaded:
+            # Hits are what `minipic store stats` is read for: write them now (one small
+            # file per finished load), not only at shutdown, which vLLM may cut short.
+            self.counters.maybe_flush(force=True)
         # Drained after the finished list: a task records its reject before it
         # completes, so every reject of a job returned above is already queued.
         self._drain_rejects()
