@@ -12,8 +12,14 @@ def position_free_backend() -> type:
 
         return TorchPositionFreeBackend
     if current_platform.is_cuda():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
         from minipic.attention.triton_backend import MiniPICTritonBackend
 
+        # vLLM resolves backends by get_name() in places (e.g. KV connectors):
+        # the CUSTOM slot is its public registry entry for out-of-tree backends.
+        register_backend(AttentionBackendEnum.CUSTOM,
+                         f"{MiniPICTritonBackend.__module__}.{MiniPICTritonBackend.__qualname__}")
         return MiniPICTritonBackend
     raise RuntimeError(
         f"minipic has no position-free attention backend for platform "

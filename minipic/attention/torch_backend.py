@@ -24,6 +24,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+from minipic.attention.backend_traits import PositionFreeTraits
 from minipic.attention.rope import current_rope
 from minipic.attention.rotation import rotate
 from minipic.attention.segments import first_visible_keys
@@ -33,21 +34,13 @@ class UnsupportedAttentionError(ValueError):
     """A layer feature the position-free backend does not implement."""
 
 
-class TorchPositionFreeBackend(CPUAttentionBackend):
+class TorchPositionFreeBackend(PositionFreeTraits, CPUAttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_kv_cache_dtypes = ["auto"]
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return []  # any head size: nothing here is specialised
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
 
     @staticmethod
     def get_impl_cls() -> type["TorchPositionFreeImpl"]:

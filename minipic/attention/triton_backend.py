@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
+from minipic.attention.backend_traits import PositionFreeTraits
 from minipic.attention.rope import current_rope
 from minipic.attention.segments import segment_table
 from minipic.attention.triton_kernel import (
@@ -39,7 +40,7 @@ class UnsupportedAttentionError(NotImplementedError):
     """A layer feature minipic's Triton attention does not implement."""
 
 
-class MiniPICTritonBackend(TritonAttentionBackend):
+class MiniPICTritonBackend(PositionFreeTraits, TritonAttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(_SUPPORTED_KV_CACHE_DTYPES)
 
@@ -54,34 +55,6 @@ class MiniPICTritonBackend(TritonAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type["MiniPICTritonMetadataBuilder"]:
         return MiniPICTritonMetadataBuilder
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_mm_prefix(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_alibi_sqrt(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_rswa(cls) -> bool:
-        return False
 
     @classmethod
     def supports_batch_invariance(cls) -> bool:
