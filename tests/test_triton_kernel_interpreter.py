@@ -45,6 +45,9 @@ CASES = {
     "prefetch_split_kv_fp32": (dict(query_lens=[1, 1], context_lens=[90, 7], num_q_heads=4,
                                     num_kv_heads=2, head_size=32, is_neox=False, dtype="float32"),
                                {"config": "PREFETCH", "split_kv": True}),
+    # short queries over cached prefixes: split KV too (a span-hit final prompt)
+    "short_split_kv_fp16": (dict(query_lens=[5, 3, 1], context_lens=[70, 40, 0], num_q_heads=4,
+                                 num_kv_heads=2, head_size=64), {"split_kv": True}),
     # minipic span segments: request 0 = header block, SSep span of 2 blocks, PDep block;
     # request 1 = decode inside an SSep span that starts at its second block.
     "segments_mixed_fp16": (dict(query_lens=[60, 1], context_lens=[0, 40], num_q_heads=4,
@@ -53,6 +56,11 @@ CASES = {
     "segments_split_kv_fp32": (dict(query_lens=[1, 1], context_lens=[40, 20], num_q_heads=4,
                                     num_kv_heads=2, head_size=32, dtype="float32",
                                     segment_starts=[[0, 16, 32], [0, 16]]), {"split_kv": True}),
+    # the same, split: span queries see no key in the earlier KV segments
+    "segments_short_split_kv_fp16": (dict(query_lens=[60, 1], context_lens=[0, 40],
+                                          num_q_heads=4, num_kv_heads=2, head_size=64,
+                                          segment_starts=[[0, 16, 16, 0], [0, 16, 16]]),
+                                     {"split_kv": True}),
 }
 TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
 # Through MiniPICTritonImpl.forward, with the KV cache in each vLLM layout.

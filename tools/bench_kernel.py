@@ -7,7 +7,9 @@ read the same keys pre-rotated (what stock vLLM stores):
 
   stock         vLLM's Triton `unified_attention` (the TRITON_ATTN backend's kernel)
   stock_again   the same, timed a second time: the noise floor of a ratio
-  minipic       minipic's kernel, as the backend launches it (default configs)
+  minipic       minipic's kernel, as the backend launches it (default configs, with the
+                span-segment table the backend always passes; all zeros here: no markers)
+  minipic_noseg the same without the segment table (HAS_SEGMENTS compiled out)
   minipic_angle the same with cos/sin by angle addition (ROPE_ANGLE_ADD)
   minipic_norot minipic's kernel with the rotation compiled out, on pre-rotated K
   minipic_m16   (prefill) minipic at the stock kernel's tile shape (16 rows x 32 keys)
@@ -126,7 +128,10 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
             num_par_softmax_segments=tk.NUM_SEGMENTS, softmax_segm_output=segm[0],
             softmax_segm_max=segm[1], softmax_segm_expsum=segm[2])
 
-    def minipic(k=pool.k, mode=None, config=None):
+    # What the backend always passes: a span-segment table (all zeros when no markers).
+    seg_starts = torch.zeros(table.shape, dtype=torch.int32, device="cuda")
+
+    def minipic(k=pool.k, mode=None, config=None, segments=True):
         if config is None:
             use_3d = step.q_len == 1 and step.num_seqs <= SEQ_THRESHOLD_3D
             config = tk.choose_config(step.q_len, use_3d)
@@ -136,7 +141,8 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
             q, k, pool.v, out, cu_seqlens_q=cu, seqused_k=lens, max_seqlen_q=step.q_len,
             block_table=table, softmax_scale=scale, cos_sin=pool.cos_sin, rotary_dim=HEAD,
             is_neox_style=True, segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
-            seq_threshold_3d=SEQ_THRESHOLD_3D, config=config)
+            seq_threshold_3d=SEQ_THRESHOLD_3D, config=config,
+            segment_starts=seg_starts if segments else None, segment_block_size=BLOCK)
 
     def fa3():
         flash_attn_varlen_func(
@@ -147,6 +153,7 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
     variants = {
         "stock": stock,
         "minipic": minipic(),
+        "minipic_noseg": minipic(segments=False),
         "minipic_angle": minipic(mode=tk.ROPE_ANGLE_ADD),
         "minipic_norot": minipic(k=pool.k_rot, mode=tk.ROPE_NONE),
         "stock_again": stock,
@@ -221,7 +228,7 @@ def sweep_launchers(step: Step, pool: KVPool, out: torch.Tensor) -> dict:
 
 def ratio_table(rows: list[dict], key: str, label: str) -> list[str]:
     """Markdown: times of stock/FA3 and each variant's time over stock's."""
-    names = ["minipic", "minipic_angle", "minipic_norot", "minipic_m16", "m16_norot",
+    names = ["minipic", "minipic_noseg", "minipic_angle", "minipic_norot", "minipic_m16", "m16_norot",
              "stock_again", "fa3"]
     names = [n for n in names if any(n in r["ms"] for r in rows)]
     head = ([label, "stock ms", "fa3 ms", "minipic ms"] + [f"{n}/stock" for n in names]

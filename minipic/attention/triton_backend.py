@@ -27,6 +27,7 @@ from minipic.attention.backend_traits import PositionFreeTraits
 from minipic.attention.rope import current_rope
 from minipic.attention.segments import segment_table
 from minipic.attention.triton_kernel import (
+    SPLIT_KV_MAX_TOKENS,
     angle_addition_holds,
     check_rope,
     unified_attention_rope,
@@ -66,10 +67,20 @@ class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._enlarge_split_kv_buffers()
         max_blocks = -(-vllm_config.model_config.max_model_len // self.block_size)
         # Static: CUDA graphs capture its address; each build rewrites its rows.
         self.segment_starts = torch.zeros(vllm_config.scheduler_config.max_num_seqs,
                                           max_blocks, dtype=torch.int32, device=device)
+
+    def _enlarge_split_kv_buffers(self) -> None:
+        """vLLM sizes them for decode batches (seq_threshold_3D tokens); minipic's kernel
+        also splits short queries over long contexts (triton_kernel._split_short_queries),
+        up to SPLIT_KV_MAX_TOKENS tokens. Allocated once: CUDA graphs keep the addresses."""
+        for name in ("softmax_segm_output", "softmax_segm_max", "softmax_segm_expsum"):
+            buffer = getattr(self, name)
+            if buffer.shape[0] < SPLIT_KV_MAX_TOKENS:
+                setattr(self, name, buffer.new_empty((SPLIT_KV_MAX_TOKENS, *buffer.shape[1:])))
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)

@@ -6,8 +6,9 @@ request is at position j), rotates the tile in fp32 and only then takes the
 Q.K product. V is untouched. Everything else follows vLLM's
 `kernel_unified_attention`: one program per (q-block, kv head), a q-block
 holding BLOCK_Q tokens times the kv head's query heads (GQA rows share one K
-tile), online softmax over KV tiles, and for small decode batches a split-KV
-("3D") variant whose partial results `_reduce_segments` merges.
+tile), online softmax over KV tiles, and for small decode batches (and, unlike
+vLLM, for a few short queries over long contexts) a split-KV ("3D") variant
+whose partial results `_reduce_segments` merges.
 
 The rotation never materialises a rotated head: the rotary dims are split into
 their two pair halves (neox: first/second half; GPT-J: even/odd dims), each
@@ -308,7 +309,8 @@ def minipic_attention_kernel(
         segm_row = (token * NUM_QUERY_HEADS + head) * NUM_SEGMENTS + segm
         tl.store(segm_out_ptr + segm_row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :], acc,
                  mask=row_mask[:, None] & d_mask[None, :])
-        tl.store(segm_max_ptr + segm_row, M, mask=row_mask)
+        # A row that saw no key here (causal or span cut) must not set the common max.
+        tl.store(segm_max_ptr + segm_row, tl.where(L > 0.0, M, float("-inf")), mask=row_mask)
         tl.store(segm_expsum_ptr + segm_row, L, mask=row_mask)
     else:
         # Padding rows never saw a key (L = 0); they are not stored, keep them finite.
@@ -389,6 +391,10 @@ PREFILL_LARGE_HEAD = LaunchConfig(block_m=64, tile_size=32, num_warps=8, num_sta
 # Batches whose longest query is at least this many tokens launch PREFILL.
 PREFILL_MIN_QUERY_LEN = 128
 NUM_SEGMENTS = 16
+# A 2D launch of fewer programs than this leaves SMs idle (vLLM's MIN_LAUNCH_GRID_SIZE_2D).
+MIN_GRID_2D = 128
+# Tokens of short-query batches that may split KV: minipic's builder sizes the buffers so.
+SPLIT_KV_MAX_TOKENS = 128
 
 
 def choose_config(max_seqlen_q: int, use_3d: bool, head_size: int = 128) -> LaunchConfig:
@@ -415,6 +421,27 @@ def angle_addition_holds(cos_sin: torch.Tensor, tile: int = 64, atol: float = 2e
     err = torch.maximum(((c0 * ct - s0 * st) / a - c).abs().amax(),
                         ((s0 * ct + c0 * st) / a - s).abs().amax())
     return bool(err <= atol * a.abs().max())
+
+
+def _num_q_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Upper bound on sum_i ceil(q_len_i / block_q), known without a device read."""
+    return num_tokens // block_q + num_seqs
+
+
+def _split_decode(max_seqlen_q: int, num_seqs: int, seq_threshold_3d: int) -> bool:
+    """Stock vLLM's rule: a decode batch too small to fill the GPU splits its KV."""
+    return max_seqlen_q <= 1 and num_seqs <= seq_threshold_3d
+
+
+def _split_short_queries(max_seqlen_q: int, num_tokens: int, num_seqs: int, queries_per_kv: int,
+                         num_kv_heads: int, buffer_tokens: int) -> bool:
+    """A few short queries over long cached contexts (a span-hit final prompt: ~30 new tokens
+    after 10k cached keys) would launch a 2D grid of a few dozen programs, each walking every
+    key, rotating as it goes. Split their KV too, when the scratch buffers hold the tokens."""
+    if max_seqlen_q <= 1 or max_seqlen_q >= PREFILL_MIN_QUERY_LEN or num_tokens > buffer_tokens:
+        return False
+    block_q = max(DECODE_2D.block_m, triton.next_power_of_2(queries_per_kv)) // queries_per_kv
+    return _num_q_blocks(num_tokens, num_seqs, block_q) * num_kv_heads <= MIN_GRID_2D
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -459,8 +486,9 @@ def unified_attention_rope(
     kv_heads, head_size] (any strides, unit stride on the last dim). Request i
     owns tokens cu_seqlens_q[i]:cu_seqlens_q[i+1] and keys 0..seqused_k[i]-1
     (its cached prefix first), key j at logical position j. Decode batches of at
-    most `seq_threshold_3d` requests split KV over the static `segm_*` buffers
-    (vLLM's Triton metadata builder allocates them). Host-side work is shape
+    most `seq_threshold_3d` requests, and short-query batches whose 2D grid would
+    be small, split KV over the static `segm_*` buffers (vLLM's Triton metadata
+    builder allocates them; minipic's builder enlarges them to SPLIT_KV_MAX_TOKENS). Host-side work is shape
     arithmetic only, so the launch can be captured in a CUDA graph. Pass
     `allow_angle_addition=False` for a table `angle_addition_holds` rejects.
     `segment_starts` [seqs, blocks] int32 (from minipic.attention.segments,
@@ -475,18 +503,17 @@ def unified_attention_rope(
     num_seqs = seqused_k.shape[0]
     queries_per_kv = num_q_heads // num_kv_heads
 
-    use_3d = (
-        segm_output is not None and seq_threshold_3d is not None
-        and max_seqlen_q <= 1 and num_seqs <= seq_threshold_3d
-    )
+    use_3d = segm_output is not None and seq_threshold_3d is not None and (
+        _split_decode(max_seqlen_q, num_seqs, seq_threshold_3d)
+        or _split_short_queries(max_seqlen_q, num_tokens, num_seqs, queries_per_kv,
+                                num_kv_heads, segm_output.shape[0]))
     if config is None:
         config = choose_config(max_seqlen_q, use_3d, head_size)
     if config.rope_mode == ROPE_ANGLE_ADD and not allow_angle_addition:
         config = dataclasses.replace(config, rope_mode=ROPE_TABLE)
     block_m = max(config.block_m, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
-    # Upper bound on sum_i ceil(q_len_i / block_q), known without a device read.
-    num_q_blocks = num_tokens // block_q + num_seqs
+    num_q_blocks = _num_q_blocks(num_tokens, num_seqs, block_q)
     head_size_padded = triton.next_power_of_2(head_size)
     rot_half = rotary_dim // 2
     pass_size = head_size - rotary_dim

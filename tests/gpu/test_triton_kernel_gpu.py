@@ -34,9 +34,10 @@ TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
 SEQ_THRESHOLD_3D = 16
 
 
-def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D):
+def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D, buffer_tokens=None):
     out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
-    segm = tk.segment_buffers(max(threshold, 1), case.q.shape[1], case.q.shape[2], "cuda")
+    segm = tk.segment_buffers(buffer_tokens or max(threshold, 1), case.q.shape[1],
+                              case.q.shape[2], "cuda")
     tk.unified_attention_rope(
         case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
@@ -91,6 +92,19 @@ def test_launch_configs_and_rope_modes(config, rope_mode, prefetch):
     config = dataclasses.replace(config, rope_mode=rope_mode, prefetch=prefetch)
     for batch in ("mixed_long", "decode_split"):
         check(batch, config=config)
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([33], [10144]), ([5, 12, 1], [3000, 800, 64])],
+                         ids=["span_hit", "short_mixed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_short_queries_split_kv(query_lens, context_lens, dtype):
+    """Short queries over long contexts take the split-KV launch when the buffers hold them."""
+    case = make_case(query_lens, context_lens, num_q_heads=32, num_kv_heads=8, head_size=128,
+                     dtype=dtype, device="cuda")
+    assert tk._split_short_queries(case.max_seqlen_q, case.q.shape[0], len(query_lens), 4, 8,
+                                   tk.SPLIT_KV_MAX_TOKENS)
+    out = run_minipic(case, buffer_tokens=tk.SPLIT_KV_MAX_TOKENS)
+    assert relative_error(out, reference_attention(case)) < TOLERANCE[dtype]
 
 
 def test_scaled_rope_table_angle_addition():
