@@ -573,6 +573,10 @@ def figure2(args, base: dict, work: Path) -> None:
     out = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "func", "command")},
            "host": host_facts()}
     save = lambda: (args.out / "figure2.json").write_text(json.dumps(out, indent=1, default=str))
+    if "ttft" in args.parts:  # first: the headline numbers, saved after every phase
+        out["ttft"] = bench_ttft.measure(args.arch, args.doc_counts, args.doc_tokens,
+                                         args.repeats, args.eager,
+                                         save=lambda phases: (out.update(ttft=phases), save()))
     if "preload" in args.parts:
         engine = dict(base["engine"], max_model_len=max(args.lengths) + 64)
         out["preload"] = [run_child(dict(base, engine=engine, kind="preload", name=f"preload {impl}",
@@ -580,10 +584,6 @@ def figure2(args, base: dict, work: Path) -> None:
                                          doc_counts=args.doc_counts, doc_tokens=args.doc_tokens,
                                          repeats=args.repeats), work, args.out / "logs")
                           for impl in ("stock", "minipic")]
-        save()
-    if "ttft" in args.parts:
-        out["ttft"] = bench_ttft.measure(args.arch, args.doc_counts, args.doc_tokens,
-                                         args.repeats, args.eager)
         save()
     plot_figure2(out, args.out / "figure2.png")
 
