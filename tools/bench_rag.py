@@ -228,12 +228,12 @@ def is_cuda() -> bool:
     return current_platform.is_cuda()
 
 
-def connector_config(store: str, markers: dict, disk_max_bytes: int | None):
+def connector_config(arch: str, store: str, markers: dict, disk_max_bytes: int | None):
     """A KVTransferConfig object: LLM(...) converts a dict itself, (Async)EngineArgs on
     vLLM 0.25.1 does not."""
     from vllm.config import KVTransferConfig
 
-    extra = {"store_dir": store, **markers}
+    extra = bench_ttft.connector_extra(arch, store, markers)
     if disk_max_bytes:
         extra["disk_max_bytes"] = disk_max_bytes
     return KVTransferConfig(
@@ -253,7 +253,7 @@ def engine_args(spec: dict, config: Config, max_num_seqs: int) -> tuple[dict, st
         else:  # vLLM has one attention backend on CPU: configs 1 and 2 are the same engine
             attention = f"CPU backend ({config.attention} exists on CUDA only)"
     if config.disk_warm:
-        args["kv_transfer_config"] = connector_config(spec["store"], spec["markers"],
+        args["kv_transfer_config"] = connector_config(spec["arch"], spec["store"], spec["markers"],
                                                       spec.get("disk_max_bytes"))
     elif config.minipic:
         args["additional_config"] = {"minipic": dict(spec["markers"])}

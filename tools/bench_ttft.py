@@ -59,6 +59,16 @@ def make_model(arch: str, root: Path) -> tuple[str, dict, dict]:
                            max_model_len=32768), llama3_8b.MARKERS
 
 
+def connector_extra(arch: str, store: str, markers: dict) -> dict:
+    """MiniPICConnector options. The 8B model gets an 8 GiB CPU tier: 4 steps of 16384
+    tokens, so that span bursts reach the store whole (minipic's cpu_tier_sizing warns
+    below 2 steps; the 2 GiB default drops stores at this size)."""
+    extra = {"store_dir": store, **markers}
+    if arch == "llama3-8b":
+        extra["cpu_bytes"] = 8 << 30
+    return extra
+
+
 def random_words(rng: random.Random, arch: str):
     """n random ordinary token ids (above every special and marker id of either model)."""
     vocab = 400 if arch == "tiny" else 120000
@@ -107,7 +117,7 @@ def final_prompt_tokens(doc_counts: list[int], doc_tokens: int, block_size: int)
     return 64 + max(doc_counts) * span + 32
 
 
-def run_phase(phase: str, model: str, engine: dict, markers: dict, store: str, load: dict) -> dict:
+def run_phase(phase: str, model: str, engine: dict, connector: dict, load: dict) -> dict:
     """In this process: start one engine, time the final prompts."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -117,7 +127,7 @@ def run_phase(phase: str, model: str, engine: dict, markers: dict, store: str, l
         kwargs["kv_transfer_config"] = {
             "kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"store_dir": store, **markers}}
+            "kv_connector_extra_config": connector}
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     run = lambda prompts: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
@@ -178,8 +188,9 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
         engine["enforce_eager"] = engine.get("enforce_eager", False) or eager
         load = workload(arch, doc_counts, doc_tokens, repeats, engine["block_size"], markers)
         child = Path(tmp) / "child.json"  # token lists: too long for a command line
-        child.write_text(json.dumps(dict(model=model, engine=engine, markers=markers,
-                                         store=f"{tmp}/store", load=load)))
+        connector = connector_extra(arch, f"{tmp}/store", markers)
+        child.write_text(json.dumps(dict(model=model, engine=engine, connector=connector,
+                                         load=load)))
         results = []
         for phase in PHASES:
             results.append(run_child(phase, child))

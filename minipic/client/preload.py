@@ -129,7 +129,18 @@ async def _run(args: argparse.Namespace) -> PreloadReport:
             concurrency=args.concurrency, text_field=args.text_field, id_field=args.id_field,
             trust_manifest=args.trust_manifest, progress=not args.no_progress)
     finally:
+        if not args.url:  # this process owns the engine: let the store take every block first
+            await _let_store_settle(args.connector_config["store_dir"])
         await backend.close()
+
+
+async def _let_store_settle(store_dir: str) -> None:
+    from minipic.connector.store.settle import wait_until_settled
+
+    print(f"waiting for the engine to finish writing {store_dir} ...", file=sys.stderr)
+    if not await asyncio.to_thread(wait_until_settled, store_dir):
+        print("the store was still growing after 300 s (other replicas writing?); stopping "
+              "anyway: blocks not yet written will be recomputed when used", file=sys.stderr)
 
 
 def format_summary(report: PreloadReport) -> str:

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from minipic.connector.options import ConnectorConfigError, apply_offload_config
+from minipic.connector.scheduler.cpu_tier_sizing import warn_if_cpu_tier_small
 from minipic.connector.scheduler.span_heads import SpanHeads, span_head_keys
 
 
@@ -96,6 +97,10 @@ class MiniPICConnector(OffloadingConnector):
         fields = namespace_fields(vllm_config, kv_cache_config, protocol, type(self))
         for tier in tiers:
             tier.open(fields, self._span_heads)
+        warn_if_cpu_tier_small(
+            tier_bytes=tiers[0].primary_bytes, block_bytes=tiers[0].block_bytes,
+            block_size=self._hash_block_size,
+            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
 
     def on_new_request(self, request: Any) -> None:
         if self._span_heads is not None:

@@ -65,9 +65,9 @@ def extra_config(store: Path, **more) -> dict:
             "pdep_token_id": PDEP, "pad_token_id": PAD, **more}
 
 
-def start_engine(tmp: Path, name: str, model: str, store: Path, steps: list) -> tuple:
+def start_engine(tmp: Path, name: str, model: str, store: Path, steps: list, **extra) -> tuple:
     plan = tmp / f"{name}.plan.json"
-    plan.write_text(json.dumps({"model": model, "extra_config": extra_config(store),
+    plan.write_text(json.dumps({"model": model, "extra_config": extra_config(store, **extra),
                                 "steps": steps}))
     out, log = tmp / f"{name}.out.json", open(tmp / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, CHILD, str(plan), str(out)], env=ENV,
@@ -82,8 +82,8 @@ def finish(engine: tuple, timeout: float = 600) -> dict:
     return json.loads(out.read_text())["results"]
 
 
-def run_engine(tmp: Path, name: str, model: str, store: Path, steps: list) -> dict:
-    return finish(start_engine(tmp, name, model, store, steps))
+def run_engine(tmp: Path, name: str, model: str, store: Path, steps: list, **extra) -> dict:
+    return finish(start_engine(tmp, name, model, store, steps, **extra))
 
 
 def gen(name: str, prompts: list, max_tokens: int = 8) -> dict:
@@ -206,6 +206,30 @@ def test_2_replicas_share_one_store(world):
     assert ns.counters["rejected_blocks"] == 0  # no torn or half-written file was ever seen
     assert ns.counters["hit_blocks"] >= sum(h // BS for h in FULL_HITS[:1])
     assert_store_clean(store)
+
+
+def test_a_burst_the_cpu_tier_holds_is_persisted_whole(world):
+    """Blocks reach the disk through the CPU tier. A burst larger than the tier loses
+    stores (vLLM: 'cannot store chunks'), which minipic warns about at start-up; a tier
+    that holds the burst persists every block, with no pause before shutdown."""
+    tmp = world["tmp"]
+    rng = random.Random(1)
+    burst = [[SSEP] + [rng.randrange(10, 300) for _ in range(95)] for _ in range(40)]
+    blocks = sum(len(s) // BS for s in burst)  # 3 per span, 120 in one burst
+
+    small, big = tmp / "store-small-tier", tmp / "store-big-tier"
+    run_engine(tmp, "small-tier", world["model"], small, [gen("burst", burst, max_tokens=1)],
+               cpu_bytes=8 * 32 << 10)  # 8 blocks of this model (32 KiB each)
+    log = (tmp / "small-tier.log").read_text()
+    assert "minipic store: the CPU tier" in log and "cannot store chunks" in log
+    assert store_stats(small).blocks < blocks
+
+    # What the warning asks for: two steps of this engine (4096 batched tokens) = 256 blocks.
+    run_engine(tmp, "big-tier", world["model"], big, [gen("burst", burst, max_tokens=1)],
+               cpu_bytes=512 * 32 << 10)
+    log = (tmp / "big-tier.log").read_text()
+    assert "minipic store: the CPU tier" not in log and "cannot store chunks" not in log
+    assert store_stats(big).blocks == blocks
 
 
 def _post(url: str, body: dict) -> dict:

@@ -131,6 +131,16 @@ class MiniPICDiskTier(SecondaryTierManager):
         if writable:
             self._maybe_evict()  # the store may have been left over its limit
 
+    @property
+    def primary_bytes(self) -> int:
+        """Size of the CPU tier this tier writes from and loads into."""
+        return len(self._view)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (one CPU-tier row, one file's payload)."""
+        return self._row_bytes
+
     def path_of(self, key: OffloadKey) -> str:
         assert self._ns_dir is not None
         return block_path(self._ns_dir, get_offload_block_hash(key), get_offload_group_idx(key))
