@@ -72,6 +72,7 @@ class SpanBlockHasher:
     def __init__(self, protocol: SpanProtocol, hash_fn: Callable[[Any], bytes],
                  hash_block_tokens: Callable[..., bytes], seed: bytes):
         self.protocol = protocol
+        self.markers = protocol.markers  # a frozenset built once, read per block
         self.hash_fn = hash_fn
         self.hash_block_tokens = hash_block_tokens
         self.seed = seed
@@ -88,7 +89,7 @@ class SpanBlockHasher:
                    in_prompt: bool = True) -> bytes:
         """`extra_keys` of a marker block must come without vLLM's block-0 salt."""
         # Markers act in prompts only: generated tokens are never a span boundary.
-        if not in_prompt or tokens[0] not in self.protocol.markers:
+        if not in_prompt or tokens[0] not in self.markers:
             parent = previous[-1] if previous else self.seed
             return self.hash_block_tokens(self.hash_fn, parent, tokens, extra_keys)
         if cache_salt:  # every chain reset carries the tenant's salt again
@@ -115,7 +116,7 @@ def make_request_block_hasher(protocol: SpanProtocol, hash_block_size: int,
             end = start + hash_block_size
             tokens = request.all_token_ids[start:end]
             in_prompt = start < request.num_prompt_tokens
-            marker = in_prompt and tokens[0] in protocol.markers
+            marker = in_prompt and tokens[0] in hasher.markers
             # Stock extra keys (LoRA, multimodal, prompt embeds, block-0 salt).
             # mm_idx restarts at 0 here; vLLM skips ahead only as an optimisation.
             extra_keys, mm_idx = kcu.generate_block_hash_extra_keys(
