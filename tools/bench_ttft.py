@@ -102,13 +102,17 @@ def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, bl
     # disk-warm phase also warms its load path), so first-launch costs stay out of the timing.
     warmups = {phase: [make(warm_docs[:k]).final for k in doc_counts for _ in range(2)]
                for phase in PHASES}
-    every_doc = [doc for _, docs in doc_sets for doc in docs] + warm_docs
-    return {"prefills": make(every_doc).span_prefills, "finals": finals, "warmups": warmups}
+    # One more prompt per phase, on fresh documents, for --profile-dir (not timed).
+    profile_docs = [words(doc_tokens) for _ in range(max(doc_counts))]
+    profiled = {phase: make(profile_docs).final for phase in PHASES}
+    every_doc = [doc for _, docs in doc_sets for doc in docs] + warm_docs + profile_docs
+    return {"prefills": make(every_doc).span_prefills, "finals": finals, "warmups": warmups,
+            "profiled": profiled}
 
 
 def documents_needed(doc_counts: list[int], repeats: int) -> int:
     """Distinct documents the gpu-hit phase prefills (and must hold in GPU memory at once)."""
-    return sum(doc_counts) * repeats + max(doc_counts)
+    return sum(doc_counts) * repeats + 2 * max(doc_counts)
 
 
 def final_prompt_tokens(doc_counts: list[int], doc_tokens: int, block_size: int) -> int:
@@ -117,12 +121,16 @@ def final_prompt_tokens(doc_counts: list[int], doc_tokens: int, block_size: int)
     return 64 + max(doc_counts) * span + 32
 
 
-def run_phase(phase: str, model: str, engine: dict, connector: dict, load: dict) -> dict:
+def run_phase(phase: str, model: str, engine: dict, connector: dict, load: dict,
+              profile_dir: str | None = None) -> dict:
     """In this process: start one engine, time the final prompts."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kwargs = dict(engine, model=model, enable_prefix_caching=True, seed=0)
+    if profile_dir:
+        kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir,
+                                     "torch_profiler_with_stack": False}
     if phase != "stock":
         kwargs["kv_transfer_config"] = {
             "kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
@@ -145,6 +153,10 @@ def run_phase(phase: str, model: str, engine: dict, connector: dict, load: dict)
                                          "prompt_tokens": len(final)})
         point["ttft_s"].append(time.perf_counter() - start)
         point["cached_tokens"].append(out.num_cached_tokens)
+    if profile_dir:  # one more max-size prompt on fresh documents, under the torch profiler
+        llm.start_profile(profile_prefix=phase)
+        run([load["profiled"][phase]])
+        llm.stop_profile()
     llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
     for point in points.values():
         point["median_ttft_s"] = statistics.median(point["ttft_s"])
@@ -161,6 +173,9 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true",
                         help="enforce_eager (faster start; TTFT of long prefills barely changes)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile-dir", type=Path,
+                        help="also run one untimed prompt per phase (fresh documents, the "
+                             "largest count) under vLLM's torch profiler; traces go here")
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # child process entry
     parser.add_argument("--child-args", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -169,7 +184,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_phase(args.phase, **child)), flush=True)
         return
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
-                      save=lambda results: save(results, args))
+                      save=lambda results: save(results, args), profile_dir=args.profile_dir)
     report(results, args)
 
 
@@ -178,7 +193,7 @@ def int_list(text: str) -> list[int]:
 
 
 def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
-            save=lambda results: None) -> list[dict]:
+            save=lambda results: None, profile_dir: Path | None = None) -> list[dict]:
     """All phases, each in its own process; `save(results)` after each (a late failure keeps
     the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,7 +205,7 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
         child = Path(tmp) / "child.json"  # token lists: too long for a command line
         connector = connector_extra(arch, f"{tmp}/store", markers)
         child.write_text(json.dumps(dict(model=model, engine=engine, connector=connector,
-                                         load=load)))
+                                         load=load, profile_dir=profile_dir and str(profile_dir))))
         results = []
         for phase in PHASES:
             results.append(run_child(phase, child))
