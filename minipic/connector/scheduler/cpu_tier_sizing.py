@@ -7,7 +7,7 @@ scheduler drops the next stores ("cannot store chunks"): those spans still hit
 in GPU memory, but are never persisted, and after a restart they are recomputed.
 One scheduler step can produce `max_num_batched_tokens` tokens of KV, so a tier
 smaller than a few steps loses blocks in any burst (a preload, a batch of span
-prefills). Measured on CPU: a 8-block tier kept 18 of a 180-block burst, a
+prefills). Measured on CPU: an 8-block tier kept 18 of a 180-block burst, a
 512-block tier all of them.
 """
 
