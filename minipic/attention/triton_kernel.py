@@ -490,8 +490,8 @@ def unified_attention_rope(
     be small, split KV over the static `segm_*` buffers (vLLM's Triton metadata
     builder allocates them; minipic's enlarges them to SPLIT_KV_MAX_TOKENS).
     Host-side work is shape arithmetic only, so the launch can be captured in a
-    CUDA graph. Pass
-    `allow_angle_addition=False` for a table `angle_addition_holds` rejects.
+    CUDA graph. Pass `allow_angle_addition=False` for a table
+    `angle_addition_holds` rejects.
     `segment_starts` [seqs, blocks] int32 (from minipic.attention.segments,
     indexed by `segment_block_size`-token blocks) cuts each query's keys at the
     start of its span segment.
