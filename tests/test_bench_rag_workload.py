@@ -54,3 +54,26 @@ def test_plan_runs_expands_isps_and_rates():
     names = [run.name for run in bench_rag.plan_runs(args)]
     assert names == ["1@1024/r0.3", "5@64/r0.3", "5@1024/r0.3", "5@64/r0.3",
                      "1@1024/r0.9", "5@64/r0.9", "5@1024/r0.9", "5@64/r0.9"]
+
+
+def test_repeat_window_draws_repeats_from_the_newest_documents_only():
+    import random
+
+    new_doc = iter(range(10**6)).__next__
+    window = 50
+    pool, chosen = bench_rag.draw_documents(300, 0.6, random.Random(0), new_doc, window)
+    first_use = {}
+    for sample in chosen:
+        newest = len(first_use)  # documents seen before this sample
+        for doc in sample:
+            if doc in first_use:
+                assert doc >= newest - window, (doc, newest)
+            first_use.setdefault(doc, True)
+        assert len(set(sample)) == len(sample)
+    slots = 300 * bench_rag.DOCS_PER_SAMPLE
+    assert 0.6 - 10 / slots <= (slots - len(pool)) / slots <= 0.6
+
+
+def test_default_workload_is_the_one_measured_on_the_h200():
+    """docs/results/table1_merged.json: seed 0, rate 0.3, 4000 samples had 28004 documents."""
+    assert workload(samples=4000, rate=0.3).unique_docs == 28004

@@ -125,21 +125,23 @@ def repeat_slots(num_slots: int, repeat_rate: float, rng: random.Random) -> list
 
 
 def draw_documents(samples: int, repeat_rate: float, rng: random.Random,
-                   new_doc) -> tuple[list, list[list[int]]]:
+                   new_doc, window: int | None = None) -> tuple[list, list[list[int]]]:
     """(document pool, document indices per sample). A repeat slot takes a document seen
-    earlier in the run (uniformly, not one already in this sample); a repeat slot with no such
-    document (the run's first slot) takes a new one instead."""
+    earlier in the run (uniformly, not one already in this sample), or with `window` one of
+    the `window` newest documents; a repeat slot with no such document (the run's first
+    slot) takes a new one instead."""
     pool: list = []
     slots = iter(repeat_slots(samples * DOCS_PER_SAMPLE, repeat_rate, rng))
     chosen = []
     for _ in range(samples):
         sample: list[int] = []
         for repeat in (next(slots) for _ in range(DOCS_PER_SAMPLE)):
-            candidates = len(pool) - len(sample)
+            lo = max(0, len(pool) - window) if window else 0
+            candidates = len(pool) - lo - sum(1 for d in sample if d >= lo)
             if repeat and candidates > 0:
-                doc = rng.randrange(len(pool))
+                doc = rng.randrange(lo, len(pool))
                 while doc in sample:
-                    doc = rng.randrange(len(pool))
+                    doc = rng.randrange(lo, len(pool))
             else:
                 pool.append(new_doc())
                 doc = len(pool) - 1
@@ -149,7 +151,7 @@ def draw_documents(samples: int, repeat_rate: float, rng: random.Random,
 
 
 def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_size: int,
-                 markers: dict) -> RagWorkload:
+                 markers: dict, window: int | None = None) -> RagWorkload:
     """Seeded and reproducible: the same arguments give the same token ids in every process."""
     from minipic.client import block_attention, make_span
     from minipic.protocol import SpanProtocol
@@ -159,11 +161,18 @@ def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_s
     protocol = SpanProtocol.from_dict(markers)
     system = words(SYSTEM_TOKENS)
     pool, chosen = draw_documents(
-        samples, repeat_rate, rng, lambda: make_span(words(DOC_TOKENS), protocol, block_size))
+        samples, repeat_rate, rng, lambda: make_span(words(DOC_TOKENS), protocol, block_size),
+        window)
     prompts = [block_attention([pool[d] for d in docs], words(TASK_TOKENS), system=system,
                                protocol=protocol, block_size=block_size) for docs in chosen]
     slots = samples * DOCS_PER_SAMPLE
     return RagWorkload(prompts, (slots - len(pool)) / slots, len(pool), markers)
+
+
+def workload_of(spec: dict, repeat_rate: float, samples: int, seed: int) -> RagWorkload:
+    """The run's workload from a child spec (or the parent's base dict)."""
+    return rag_workload(spec["arch"], samples, repeat_rate, seed, spec["engine"]["block_size"],
+                        spec["markers"], spec.get("repeat_window"))
 
 
 # ---------------------------------------------------------------------------- strategies
@@ -268,11 +277,9 @@ async def table1_child(spec: dict) -> dict:
     from minipic.protocol import SpanProtocol
 
     run, config = Run(**spec["run"]), CONFIGS[spec["run"]["config"]]
-    load = rag_workload(spec["arch"], spec["samples"], run.repeat_rate, spec["seed"],
-                        spec["engine"]["block_size"], spec["markers"])
+    load = workload_of(spec, run.repeat_rate, spec["samples"], spec["seed"])
     # Other documents for the warm-up, so that it leaves nothing the measured pass could hit.
-    warm = rag_workload(spec["arch"], spec["warmup"], run.repeat_rate, spec["seed"] + 10_000,
-                        spec["engine"]["block_size"], spec["markers"])
+    warm = workload_of(spec, run.repeat_rate, spec["warmup"], spec["seed"] + 10_000)
     args, attention = engine_args(spec, config, run.max_num_seqs)
     backend = AsyncLLMBackend.start(**args)
     protocol = SpanProtocol.from_dict(spec["markers"])
@@ -287,7 +294,7 @@ async def table1_child(spec: dict) -> dict:
     return {"name": run.name, **dataclasses.asdict(run), "label": config.label,
             "strategy": config.strategy, "attention": attention, "samples": spec["samples"],
             "measured_repeat_rate": load.repeat_rate, "unique_docs": load.unique_docs,
-            "seconds": seconds, "samples_per_s": spec["samples"] / seconds, **facts}
+            "repeat_window": spec.get("repeat_window"), "seconds": seconds, "samples_per_s": spec["samples"] / seconds, **facts}
 
 
 async def populate_child(spec: dict) -> dict:
@@ -298,8 +305,7 @@ async def populate_child(spec: dict) -> dict:
     from minipic.protocol import SpanProtocol
 
     run = Run(**spec["run"])
-    load = rag_workload(spec["arch"], spec["samples"], run.repeat_rate, spec["seed"],
-                        spec["engine"]["block_size"], spec["markers"])
+    load = workload_of(spec, run.repeat_rate, spec["samples"], spec["seed"])
     args, _ = engine_args(spec, CONFIGS["6"], run.max_num_seqs)
     backend = AsyncLLMBackend.start(**args)
     protocol = SpanProtocol.from_dict(spec["markers"])
@@ -489,8 +495,7 @@ def table1(args, base: dict, work: Path) -> None:
 def disk_tier_spec(spec: dict, run: Run, args, base: dict, work: Path) -> dict:
     """A fresh store for this run; refused (an error entry) when the spans cannot fit on disk."""
     store = Path(args.store_dir or work) / f"store-{run.config}-{run.max_num_seqs}-{run.repeat_rate}"
-    load = rag_workload(base["arch"], base["samples"], run.repeat_rate, base["seed"],
-                        base["engine"]["block_size"], base["markers"])
+    load = workload_of(base, run.repeat_rate, base["samples"], base["seed"])
     needed = sum(map(len, load.unique_spans())) * kv_bytes_per_token(base["model"],
                                                                      base["engine"]["dtype"])
     store.parent.mkdir(parents=True, exist_ok=True)
@@ -523,6 +528,8 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
         base = {r["config"]: r["samples_per_s"] for r in rows if r["config"] in ("1", "2")}
         ratio = lambda r, k: f"{r['samples_per_s'] / base[k]:.2f}x" if k in base else "-"
         where = f", run {run}" if run else ""
+        window = rows[0].get("repeat_window")
+        where += f", repeats from the {window} newest documents" if window else ""
         lines += ["", f"### repeat rate {rate} (measured {rows[0]['measured_repeat_rate']:.3f})"
                       f"{where}, {rows[0]['samples']} samples",
                   "", "| # | configuration | strategy | max_num_seqs | attention | samples/s | "
@@ -664,6 +671,9 @@ def parse_args() -> argparse.Namespace:
     t1.add_argument("--configs", default="1,2,3,4,5,6",
                     help="e.g. 1,3,5 or 5:1024 (a bare 5 runs every --isps-seqs)")
     t1.add_argument("--repeat-rate", type=floats, default=[0.3, 0.4, 0.6, 0.9])
+    t1.add_argument("--repeat-window", type=int,
+                    help="a repeat draws from the N newest documents only (default: from all "
+                         "earlier ones); a window whose spans fit the KV cache models a hot set")
     t1.add_argument("--samples", type=int, default=4000)
     t1.add_argument("--warmup", type=int, default=64, help="samples run before timing")
     t1.add_argument("--max-num-seqs", type=int, default=1024, help="configs 1-4 and 6")
@@ -739,7 +749,8 @@ def main() -> None:
                 engine["max_num_batched_tokens"] = args.max_batched_tokens
         base = dict(arch=args.arch, model=model, engine=engine, markers=markers, seed=args.seed,
                     samples=getattr(args, "samples", None), warmup=getattr(args, "warmup", None),
-                    batch_size=getattr(args, "batch_size", None))
+                    batch_size=getattr(args, "batch_size", None),
+                    repeat_window=getattr(args, "repeat_window", None))
         args.func(args, base, Path(tmp))
 
 
