@@ -228,8 +228,8 @@ def sweep_launchers(step: Step, pool: KVPool, out: torch.Tensor) -> dict:
 
 def ratio_table(rows: list[dict], key: str, label: str) -> list[str]:
     """Markdown: times of stock/FA3 and each variant's time over stock's."""
-    names = ["minipic", "minipic_noseg", "minipic_angle", "minipic_norot", "minipic_m16", "m16_norot",
-             "stock_again", "fa3"]
+    names = ["minipic", "minipic_noseg", "minipic_angle", "minipic_norot", "minipic_m16",
+             "m16_norot", "stock_again", "fa3"]
     names = [n for n in names if any(n in r["ms"] for r in rows)]
     head = ([label, "stock ms", "fa3 ms", "minipic ms"] + [f"{n}/stock" for n in names]
             + ["minipic/fa3"])

@@ -294,7 +294,8 @@ async def table1_child(spec: dict) -> dict:
     return {"name": run.name, **dataclasses.asdict(run), "label": config.label,
             "strategy": config.strategy, "attention": attention, "samples": spec["samples"],
             "measured_repeat_rate": load.repeat_rate, "unique_docs": load.unique_docs,
-            "repeat_window": spec.get("repeat_window"), "seconds": seconds, "samples_per_s": spec["samples"] / seconds, **facts}
+            "repeat_window": spec.get("repeat_window"), "seconds": seconds,
+            "samples_per_s": spec["samples"] / seconds, **facts}
 
 
 async def populate_child(spec: dict) -> dict:

@@ -18,7 +18,7 @@ TTFT = wall time of one request with max_tokens=1, requests one at a time, media
 prompts. Every timed prompt has documents no other timed prompt of its phase uses, so a
 disk-warm prompt loads all its documents from the store (an earlier version reused one pool,
 and after the first prompt the disk-warm phase measured GPU hits). The gpu-hit phase prefills
-and keeps `documents_needed()` documents (sum of --docs x --repeats, plus the warm-up ones).
+and keeps sum(--docs) x --repeats documents, plus twice max(--docs) (warm-up and profiled).
 All phases run in one invocation.
 `measure()` is the same run as a function (tools/bench_rag.py uses it for Figure 2).
 """
@@ -108,11 +108,6 @@ def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, bl
     every_doc = [doc for _, docs in doc_sets for doc in docs] + warm_docs + profile_docs
     return {"prefills": make(every_doc).span_prefills, "finals": finals, "warmups": warmups,
             "profiled": profiled}
-
-
-def documents_needed(doc_counts: list[int], repeats: int) -> int:
-    """Distinct documents the gpu-hit phase prefills (and must hold in GPU memory at once)."""
-    return sum(doc_counts) * repeats + 2 * max(doc_counts)
 
 
 def final_prompt_tokens(doc_counts: list[int], doc_tokens: int, block_size: int) -> int:
