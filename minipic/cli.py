@@ -45,6 +45,10 @@ def _stats(args: argparse.Namespace) -> int:
         print(f"  blocks     {ns.blocks}" + (f"  ({ns.unreadable} unreadable)" if ns.unreadable else ""))
         print(f"  bytes      {ns.bytes} ({_human(ns.bytes)})")
         print(f"  hits       {c['hit_blocks']} blocks loaded from disk ({_human(c['hit_bytes'])})")
+        if c["load_jobs"]:
+            seconds = c["load_us"] / 1e6
+            print(f"  loads      {c['load_jobs']} jobs, {seconds / c['load_jobs'] * 1e3:.1f} ms "
+                  f"each on average, {_human(c['hit_bytes'] / seconds)}/s while loading")
         print(f"  writes     {c['stored_blocks']} stored, {c['duplicate_blocks']} already present, "
               f"{c['store_failures']} failed")
         print(f"  rejected   {c['rejected_blocks']} bad files skipped")

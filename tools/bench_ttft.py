@@ -10,22 +10,31 @@
 
 Each phase runs in its own process, as a restart would:
   1. stock: vLLM without minipic; every final prompt is prefilled in full (its documents follow
-     the system prompt in a new order, so the prefix cache only reuses the system prompt);
+     the system prompt in a new order, so the prefix cache only reuses the system prompt). Each
+     prompt is then sent once more: that second TTFT is stock vLLM's own full prefix-cache hit
+     on the same prompt, the floor a hit can reach ("stock rerun");
   2. gpu-hit: minipic with MiniPICConnector on a fresh store; spans prefilled once, then the
      final prompts hit them in GPU memory;
-  3. disk-warm: a new process on the same store; the spans come from the disk tier.
+  3. disk phases (`--disk-phases`, default `warm:4`): each a new process on the same store, all
+     on the same documents (each with its own questions); the spans come from the disk tier. `warm:T` reads with T threads,
+     the store's files still in the OS page cache (they were written minutes earlier, as after
+     a restart on the same host); `cold:T` first drops the store's files from the page cache
+     (posix_fadvise DONTNEED), so they come from the device. A `:gil` suffix runs the engine
+     with a short GIL switch interval (MINIPIC_GIL_SWITCH_S, an experiment).
 TTFT = wall time of one request with max_tokens=1, requests one at a time, median of --repeats
 prompts. Every timed prompt has documents no other timed prompt of its phase uses, so a
-disk-warm prompt loads all its documents from the store (an earlier version reused one pool,
+disk-phase prompt loads all its documents from the store (an earlier version reused one pool,
 and after the first prompt the disk-warm phase measured GPU hits). The gpu-hit phase prefills
 and keeps sum(--docs) x --repeats documents, plus twice max(--docs) (warm-up and profiled).
-All phases run in one invocation.
+After each disk phase the store's load counters (files -> CPU tier per request, see
+`minipic store stats`) are added to its result. All phases run in one invocation.
 `measure()` is the same run as a function (tools/bench_rag.py uses it for Figure 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -40,7 +49,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 TINY_MARKERS = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5}
-PHASES = ("stock", "gpu-hit", "disk-warm")
 
 
 def make_model(arch: str, root: Path) -> tuple[str, dict, dict]:
@@ -76,7 +84,7 @@ def random_words(rng: random.Random, arch: str):
 
 
 def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, block_size: int,
-             markers: dict) -> dict:
+             markers: dict, prompt_sets: list[str]) -> dict:
     """Token-id prompts: span prefills and final prompts (Block-Attention layout).
 
     Every timed prompt (each document count, each repeat) has documents of its own, used by no
@@ -97,14 +105,14 @@ def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, bl
     warm_docs = [words(doc_tokens) for _ in range(max(doc_counts))]
     make = lambda docs: block_attention(rng.sample(docs, len(docs)), words(32), system=system,
                                         protocol=protocol, block_size=block_size)
-    finals = {phase: [[k, make(docs).final] for k, docs in doc_sets] for phase in PHASES}
+    finals = {name: [[k, make(docs).final] for k, docs in doc_sets] for name in prompt_sets}
     # Warm-up: the same kinds of steps on other documents (their spans are stored too, so the
     # disk-warm phase also warms its load path), so first-launch costs stay out of the timing.
-    warmups = {phase: [make(warm_docs[:k]).final for k in doc_counts for _ in range(2)]
-               for phase in PHASES}
+    warmups = {name: [make(warm_docs[:k]).final for k in doc_counts for _ in range(2)]
+               for name in prompt_sets}
     # One more prompt per phase, on fresh documents, for --profile-dir (not timed).
     profile_docs = [words(doc_tokens) for _ in range(max(doc_counts))]
-    profiled = {phase: make(profile_docs).final for phase in PHASES}
+    profiled = {name: make(profile_docs).final for name in prompt_sets}
     every_doc = [doc for _, docs in doc_sets for doc in docs] + warm_docs + profile_docs
     return {"prefills": make(every_doc).span_prefills, "finals": finals, "warmups": warmups,
             "profiled": profiled}
@@ -116,46 +124,86 @@ def final_prompt_tokens(doc_counts: list[int], doc_tokens: int, block_size: int)
     return 64 + max(doc_counts) * span + 32
 
 
-def run_phase(phase: str, model: str, engine: dict, connector: dict, load: dict,
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One engine process of the benchmark."""
+
+    name: str
+    prompts: str  # its prompt set: the same documents in every set, its own questions and order
+    minipic: bool = True
+    read_threads: int | None = None  # disk phases: the disk tier's read threads
+    cold: bool = False  # drop the store's files from the page cache first
+    gil_switch_s: float | None = None
+
+    @classmethod
+    def disk(cls, spec: str, index: int = 0) -> "Phase":
+        """`warm:4`, `cold:16`, `warm:16:gil` (see the module docstring). Each disk phase has
+        its own questions, so none hits a question block an earlier one stored."""
+        kind, threads, *flags = spec.split(":")
+        if kind not in ("warm", "cold") or set(flags) - {"gil"}:
+            raise argparse.ArgumentTypeError(f"bad disk phase {spec!r}: warm|cold:THREADS[:gil]")
+        return cls(name=f"disk-{kind}-t{threads}" + ("-gil" if flags else ""),
+                   prompts=f"disk-{index}",
+                   read_threads=int(threads), cold=kind == "cold",
+                   gil_switch_s=GIL_SWITCH_S if flags else None)
+
+
+GIL_SWITCH_S = 0.0002  # vs CPython's default 0.005
+
+
+def phases_of(disk_specs: list[str]) -> list[Phase]:
+    return [Phase("stock", "stock", minipic=False), Phase("gpu-hit", "gpu-hit"),
+            *(Phase.disk(spec, i) for i, spec in enumerate(disk_specs))]
+
+
+def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict,
               profile_dir: str | None = None) -> dict:
     """In this process: start one engine, time the final prompts."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    phase = Phase(**phase)
     kwargs = dict(engine, model=model, enable_prefix_caching=True, seed=0)
     if profile_dir:
         kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir,
                                      "torch_profiler_with_stack": False}
-    if phase != "stock":
+    if phase.minipic:
+        extra = dict(connector)
+        if phase.read_threads:
+            extra["disk_read_threads"] = phase.read_threads
         kwargs["kv_transfer_config"] = {
             "kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": connector}
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     run = lambda prompts: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                        params, use_tqdm=False)
+    timed = lambda prompt: (time.perf_counter(), run([prompt])[0])
     run([[11] * 64])  # kernels compiled/loaded before timing
-    if phase == "gpu-hit":
+    if phase.prompts == "gpu-hit":
         run(load["prefills"])
-    for final in load["warmups"][phase]:
+    for final in load["warmups"][phase.prompts]:
         run([final])
     points: dict[int, dict] = {}
-    for docs, final in load["finals"][phase]:
-        start = time.perf_counter()
-        [out] = run([final])
+    for docs, final in load["finals"][phase.prompts]:
         point = points.setdefault(docs, {"docs": docs, "ttft_s": [], "cached_tokens": [],
                                          "prompt_tokens": len(final)})
+        start, out = timed(final)
         point["ttft_s"].append(time.perf_counter() - start)
         point["cached_tokens"].append(out.num_cached_tokens)
+        if not phase.minipic:  # the same prompt again: stock's own full prefix-cache hit
+            start, _ = timed(final)
+            point.setdefault("rerun_ttft_s", []).append(time.perf_counter() - start)
     if profile_dir:  # one more max-size prompt on fresh documents, under the torch profiler
-        llm.start_profile(profile_prefix=phase)
-        run([load["profiled"][phase]])
+        llm.start_profile(profile_prefix=phase.name)
+        run([load["profiled"][phase.prompts]])
         llm.stop_profile()
     llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
     for point in points.values():
-        point["median_ttft_s"] = statistics.median(point["ttft_s"])
-    return {"phase": phase, "points": list(points.values())}
+        for series in ("ttft_s", "rerun_ttft_s"):
+            if series in point:
+                point[f"median_{series}"] = statistics.median(point[series])
+    return {"phase": phase.name, "points": list(points.values())}
 
 
 def main() -> None:
@@ -171,15 +219,20 @@ def main() -> None:
     parser.add_argument("--profile-dir", type=Path,
                         help="also run one untimed prompt per phase (fresh documents, the "
                              "largest count) under vLLM's torch profiler; traces go here")
-    parser.add_argument("--phase", help=argparse.SUPPRESS)  # child process entry
+    parser.add_argument("--disk-phases", type=lambda t: t.split(","), default=["warm:4"],
+                        help="disk phases, e.g. warm:4,warm:16,cold:16 (module docstring)")
+    parser.add_argument("--phase", type=json.loads, help=argparse.SUPPRESS)  # child entry
     parser.add_argument("--child-args", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
         child = json.loads(args.child_args.read_text())
         print("RESULT " + json.dumps(run_phase(args.phase, **child)), flush=True)
         return
+    for spec in args.disk_phases:
+        Phase.disk(spec)  # a typo fails now, not after the first phases
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
-                      save=lambda results: save(results, args), profile_dir=args.profile_dir)
+                      save=lambda results: save(results, args), profile_dir=args.profile_dir,
+                      disk_phases=args.disk_phases)
     report(results, args)
 
 
@@ -188,7 +241,8 @@ def int_list(text: str) -> list[int]:
 
 
 def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
-            save=lambda results: None, profile_dir: Path | None = None) -> list[dict]:
+            save=lambda results: None, profile_dir: Path | None = None,
+            disk_phases: list[str] = ("warm:4",)) -> list[dict]:
     """All phases, each in its own process; `save(results)` after each (a late failure keeps
     the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,26 +250,67 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
         needed = final_prompt_tokens(doc_counts, doc_tokens, engine["block_size"]) + 64
         engine["max_model_len"] = max(engine["max_model_len"], needed)
         engine["enforce_eager"] = engine.get("enforce_eager", False) or eager
-        load = workload(arch, doc_counts, doc_tokens, repeats, engine["block_size"], markers)
+        phases = phases_of(list(disk_phases))
+        load = workload(arch, doc_counts, doc_tokens, repeats, engine["block_size"], markers,
+                        [phase.prompts for phase in phases])
         child = Path(tmp) / "child.json"  # token lists: too long for a command line
-        connector = connector_extra(arch, f"{tmp}/store", markers)
-        child.write_text(json.dumps(dict(model=model, engine=engine, connector=connector,
-                                         load=load, profile_dir=profile_dir and str(profile_dir))))
+        store = f"{tmp}/store"
+        child.write_text(json.dumps(dict(model=model, engine=engine, load=load,
+                                         connector=connector_extra(arch, store, markers),
+                                         profile_dir=profile_dir and str(profile_dir))))
         results = []
-        for phase in PHASES:
-            results.append(run_child(phase, child))
+        for phase in phases:
+            if phase.cold:
+                drop_from_page_cache(store)
+            before = load_counters(store) if phase.read_threads else None
+            result = run_child(phase, child)
+            if before is not None:
+                after = load_counters(store)
+                result["store_loads"] = {k: after[k] - before[k] for k in after}
+            results.append(result)
             save(results)
     return results
 
 
-def run_child(phase: str, child: Path) -> dict:
-    cmd = [sys.executable, __file__, "--phase", phase, "--child-args", str(child)]
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"})
+def drop_from_page_cache(store: str) -> int:
+    """Make the next reads of the store's files come from the device (needs no privileges:
+    clean pages of a file are dropped on request). Returns the number of files."""
+    os.sync()  # dirty pages cannot be dropped
+    count = 0
+    for root, _, files in os.walk(store):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            count += 1
+    return count
+
+
+def load_counters(store: str) -> dict[str, int]:
+    """The store's summed disk-load counters (all processes so far)."""
+    from minipic.connector.store.stats import scan_store
+
+    totals = dict.fromkeys(("load_jobs", "load_us", "hit_blocks", "hit_bytes"), 0)
+    if os.path.isdir(store):
+        for ns in scan_store(store):
+            for k in totals:
+                totals[k] += ns.counters[k]
+    return totals
+
+
+def run_child(phase: Phase, child: Path) -> dict:
+    cmd = [sys.executable, __file__, "--phase", json.dumps(dataclasses.asdict(phase)),
+           "--child-args", str(child)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
+    if phase.gil_switch_s:
+        env["MINIPIC_GIL_SWITCH_S"] = str(phase.gil_switch_s)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        print(f"phase {phase} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return {"phase": phase, "error": proc.stderr[-3000:]}
+        print(f"phase {phase.name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return {"phase": phase.name, "error": proc.stderr[-3000:]}
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -227,8 +322,9 @@ def save(results: list[dict], args) -> None:
 
 def report(results: list[dict], args) -> None:
     by_phase = {r["phase"]: r for r in results if "error" not in r}
-    if len(by_phase) < len(PHASES):
-        sys.exit(f"phases that failed: {sorted(set(PHASES) - set(by_phase))}")
+    failed = [r["phase"] for r in results if "error" in r]
+    if failed or "stock" not in by_phase:
+        sys.exit(f"phases that failed: {failed}")
     for i, docs in enumerate(args.docs):
         point = {phase: r["points"][i] for phase, r in by_phase.items()}
         stock = point["stock"]["median_ttft_s"]
@@ -236,13 +332,26 @@ def report(results: list[dict], args) -> None:
               f"median of {args.repeats} final prompts")
         print("| phase | median TTFT (ms) | cached tokens / prompt tokens | speed-up vs stock |")
         print("| --- | --- | --- | --- |")
-        for phase, p in point.items():
-            print(f"| {phase} | {p['median_ttft_s'] * 1e3:.1f} | "
-                  f"{min(p['cached_tokens'])}-{max(p['cached_tokens'])} / {p['prompt_tokens']} | "
-                  f"{stock / p['median_ttft_s']:.1f}x |")
-        disk, hit = point["disk-warm"]["median_ttft_s"], point["gpu-hit"]["median_ttft_s"]
-        print(f"disk-warm / gpu-hit = {disk / hit:.2f} (goal <= 3); stock / disk-warm = "
-              f"{stock / disk:.1f} (goal >= 10)\n")
+        rows = [(phase, p["median_ttft_s"], p) for phase, p in point.items()]
+        rows.insert(1, ("stock rerun (full prefix hit)", point["stock"]["median_rerun_ttft_s"],
+                        None))
+        for name, ttft, p in rows:
+            cached = f"{min(p['cached_tokens'])}-{max(p['cached_tokens'])} / {p['prompt_tokens']}" \
+                if p else "-"
+            print(f"| {name} | {ttft * 1e3:.1f} | {cached} | {stock / ttft:.1f}x |")
+        hit = point["gpu-hit"]["median_ttft_s"]
+        for name, p in point.items():
+            if name.startswith("disk"):
+                disk = p["median_ttft_s"]
+                print(f"{name}: / gpu-hit = {disk / hit:.2f} (goal <= 3); stock / {name} = "
+                      f"{stock / disk:.1f} (goal >= 10)")
+    for r in results:
+        loads = r.get("store_loads")
+        if loads and loads["load_jobs"]:
+            seconds = loads["load_us"] / 1e6
+            print(f"{r['phase']}: {loads['load_jobs']} disk loads (warm-ups included), "
+                  f"{seconds / loads['load_jobs'] * 1e3:.1f} ms each, "
+                  f"{loads['hit_bytes'] / seconds / 2**30:.2f} GiB/s files -> CPU tier")
 
 
 if __name__ == "__main__":

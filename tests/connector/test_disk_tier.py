@@ -87,6 +87,7 @@ def test_store_then_load(harness, tmp_path):
     [ns] = scan_store(tmp_path / "store")
     assert (ns.blocks, ns.spans) == (2, 1)
     assert ns.counters["hit_blocks"] == 2 and ns.counters["duplicate_blocks"] == 1
+    assert ns.counters["load_jobs"] == 1 and ns.counters["load_us"] > 0  # one timed load
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt", "foreign"])

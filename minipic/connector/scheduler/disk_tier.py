@@ -21,6 +21,7 @@ run on pool threads and only touch the CPU-tier buffer and the files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -53,6 +54,14 @@ logger = logging.getLogger("minipic.connector")
 # After a write fails for lack of space or permission, stop writing for this
 # long, then try again (eviction or an operator may have made room).
 WRITE_BACKOFF_S = 30.0
+
+
+@dataclasses.dataclass
+class _Job:
+    keys: list[OffloadKey]
+    is_store: bool
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    last_task_done: float = 0.0  # set by the pool threads; read once the job is finished
 
 
 class _ExistsLookup(AsyncLookupManager):
@@ -91,13 +100,16 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._rejects: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
         self._write_errors: queue.SimpleQueue[OSError] = queue.SimpleQueue()
         self._instant_results: list[JobResult] = []
-        self._jobs: dict[int, tuple[list[OffloadKey], bool]] = {}  # job -> (keys, is_store)
+        self._jobs: dict[int, _Job] = {}
         self._bytes_since_eviction = 0
         self._evicting = threading.Lock()
 
         self._pool = DualQueueThreadPool(n_read_threads, n_write_threads,
                                          thread_name_prefix="minipic_disk")
         self._lookup = _ExistsLookup(self)
+        if os.environ.get("MINIPIC_GIL_SWITCH_S"):  # EXPERIMENT, see docs/connector.md
+            import sys
+            sys.setswitchinterval(float(os.environ["MINIPIC_GIL_SWITCH_S"]))
 
     # -- set-up ---------------------------------------------------------------
 
@@ -172,14 +184,15 @@ class MiniPICDiskTier(SecondaryTierManager):
         if not self._can_write():
             self._instant_results.append(JobResult(job_id=job.job_id, success=False))
             return
-        self._jobs[job.job_id] = (keys, True)
+        self._jobs[job.job_id] = _Job(keys, is_store=True)
         tasks = [self._store_task(k, int(slot)) for k, slot in zip(keys, compat.job_slots(job))]
         self._pool.enqueue_store(job.job_id, len(tasks), tasks)
 
     def submit_load(self, job: Any) -> None:
         keys = list(job.keys)
-        self._jobs[job.job_id] = (keys, False)
-        tasks = [self._load_task(k, int(slot)) for k, slot in zip(keys, compat.job_slots(job))]
+        record = self._jobs[job.job_id] = _Job(keys, is_store=False)
+        tasks = [self._load_task(k, int(slot), record)
+                 for k, slot in zip(keys, compat.job_slots(job))]
         self._pool.enqueue_load(job.job_id, len(tasks), tasks)
 
     def _row(self, slot: int) -> memoryview:
@@ -204,39 +217,51 @@ class MiniPICDiskTier(SecondaryTierManager):
 
         return store
 
-    def _load_task(self, key: OffloadKey, slot: int):
+    def _load_task(self, key: OffloadKey, slot: int, job: _Job):
         path = self.path_of(key)
 
         def load() -> None:
             try:
-                block_file.read_block_into(path, self._namespace.digest, key, self._row(slot))
-            except FileNotFoundError:
-                self._rejects.put(key)  # evicted since the lookup: recompute
-                raise
-            except block_file.BlockRejected as e:
-                self._rejects.put(key)
-                self.counters.add(rejected_blocks=1)
-                logger.warning("minipic store: ignoring %s (%s); it will be recomputed", path, e)
-                _remove_if_same(path, e.inode)
-                raise
-            except OSError:
-                self._rejects.put(key)  # unreadable now (I/O error, fd limit): recompute
-                raise
-            eviction.touch(path)
-            self.counters.add(hit_blocks=1, hit_bytes=self._row_bytes)
+                self._load_block(path, key, slot)
+            finally:
+                job.last_task_done = time.monotonic()
 
         return load
+
+    def _load_block(self, path: str, key: OffloadKey, slot: int) -> None:
+        try:
+            block_file.read_block_into(path, self._namespace.digest, key, self._row(slot))
+        except FileNotFoundError:
+            self._rejects.put(key)  # evicted since the lookup: recompute
+            raise
+        except block_file.BlockRejected as e:
+            self._rejects.put(key)
+            self.counters.add(rejected_blocks=1)
+            logger.warning("minipic store: ignoring %s (%s); it will be recomputed", path, e)
+            _remove_if_same(path, e.inode)
+            raise
+        except OSError:
+            self._rejects.put(key)  # unreadable now (I/O error, fd limit): recompute
+            raise
+        eviction.touch(path)
+        self.counters.add(hit_blocks=1, hit_bytes=self._row_bytes)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._instant_results = self._instant_results, []
         loaded = False
         for job_id, success in compat.finished_jobs(self._pool):
-            keys, is_store = self._jobs.pop(job_id, ((), False))
+            job = self._jobs.pop(job_id, None)
             results.append(JobResult(job_id=job_id, success=success))
-            loaded |= success and not is_store
-            if success and is_store:
-                self._bad_keys.difference_update(keys)  # rewritten: trust the file again
-                self._note_written(len(keys) * self._row_bytes)
+            if job is None:
+                continue
+            if not job.is_store:
+                loaded |= success
+                # Files to CPU tier, first submit to last block: how fast the store reads.
+                self.counters.add(load_jobs=1,
+                                  load_us=int((job.last_task_done - job.started) * 1e6))
+            elif success:
+                self._bad_keys.difference_update(job.keys)  # rewritten: trust the file again
+                self._note_written(len(job.keys) * self._row_bytes)
         if loaded:
             # Hits are what `minipic store stats` is read for: write them now (one small
             # file per finished load), not only at shutdown, which vLLM may cut short.

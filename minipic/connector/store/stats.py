@@ -24,7 +24,8 @@ from minipic.connector.store.eviction import iter_blocks
 from minipic.connector.store.namespace import is_store_root, list_namespaces
 
 COUNTERS = ("hit_blocks", "hit_bytes", "stored_blocks", "stored_bytes", "duplicate_blocks",
-            "rejected_blocks", "store_failures", "evicted_blocks", "evicted_bytes")
+            "rejected_blocks", "store_failures", "evicted_blocks", "evicted_bytes",
+            "load_jobs", "load_us")
 
 
 class ProcessCounters:

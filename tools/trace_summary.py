@@ -1,0 +1,82 @@
+"""Summarise torch-profiler traces (vLLM's `--profile-dir` output): where one step's time goes.
+
+    python3 tools/trace_summary.py PROFILE_DIR [--top 15] > summary.md
+
+For each trace file (`*.json` or `*.json.gz`, Chrome trace format): the wall span of GPU work,
+busy GPU time, gaps between kernels, copies (host <-> device), and the kernels and CPU ops
+that took longest in total. Traces are large; a summary is small enough to keep with the
+results (docs/connector.md quotes these).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def load_events(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def busy_time(events: list[dict]) -> float:
+    """Union of the events' intervals (overlapping streams count once), microseconds."""
+    busy, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e["ts"]):
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def top(events: list[dict], n: int) -> list[tuple[str, float, int]]:
+    total: dict[str, float] = collections.defaultdict(float)
+    count: collections.Counter[str] = collections.Counter()
+    for e in events:
+        total[e["name"]] += e["dur"]
+        count[e["name"]] += 1
+    return sorted(((name, total[name], count[name]) for name in total), key=lambda r: -r[1])[:n]
+
+
+def summarise(path: Path, n: int) -> str:
+    events = load_events(path)
+    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
+    copies = [e for e in gpu if e.get("cat") == "gpu_memcpy"]
+    lines = [f"## {path.name}", ""]
+    if gpu:
+        span = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
+        busy = busy_time(gpu)
+        lines.append(f"GPU: {span / 1e3:.2f} ms from first to last GPU event, {busy / 1e3:.2f} ms "
+                     f"busy ({len(gpu)} events); copies {busy_time(copies) / 1e3:.2f} ms busy "
+                     f"({sum(e['dur'] for e in copies) / 1e3:.2f} ms summed, {len(copies)})")
+    lines += ["", "| GPU kernel / copy | total ms | calls |", "| --- | --- | --- |"]
+    lines += [f"| {name[:90]} | {dur / 1e3:.3f} | {calls} |" for name, dur, calls in top(gpu, n)]
+    lines += ["", "| CPU op / annotation | total ms | calls |", "| --- | --- | --- |"]
+    lines += [f"| {name[:90]} | {dur / 1e3:.3f} | {calls} |" for name, dur, calls in top(cpu, n)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    paths = sorted(p for p in args.dir.rglob("*") if p.name.endswith((".json", ".json.gz")))
+    if not paths:
+        raise SystemExit(f"no trace files under {args.dir}")
+    for path in paths:
+        print(summarise(path, args.top))
+
+
+if __name__ == "__main__":
+    main()
