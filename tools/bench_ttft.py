@@ -317,7 +317,7 @@ def run_child(phase: Phase, child: Path) -> dict:
 def save(results: list[dict], args) -> None:
     if args.out:
         options = {k: v for k, v in vars(args).items() if k not in ("out", "phase", "child_args")}
-        args.out.write_text(json.dumps({"args": options, "results": results}, indent=1))
+        args.out.write_text(json.dumps({"args": options, "results": results}, indent=1, default=str))
 
 
 def report(results: list[dict], args) -> None:
