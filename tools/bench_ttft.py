@@ -19,8 +19,7 @@ Each phase runs in its own process, as a restart would:
      on the same documents (each with its own questions); the spans come from the disk tier. `warm:T` reads with T threads,
      the store's files still in the OS page cache (they were written minutes earlier, as after
      a restart on the same host); `cold:T` first drops the store's files from the page cache
-     (posix_fadvise DONTNEED), so they come from the device. A `:gil` suffix runs the engine
-     with a short GIL switch interval (MINIPIC_GIL_SWITCH_S, an experiment).
+     (posix_fadvise DONTNEED), so they come from the device.
 TTFT = wall time of one request with max_tokens=1, requests one at a time, median of --repeats
 prompts. Every timed prompt has documents no other timed prompt of its phase uses, so a
 disk-phase prompt loads all its documents from the store (an earlier version reused one pool,
@@ -133,22 +132,16 @@ class Phase:
     minipic: bool = True
     read_threads: int | None = None  # disk phases: the disk tier's read threads
     cold: bool = False  # drop the store's files from the page cache first
-    gil_switch_s: float | None = None
 
     @classmethod
     def disk(cls, spec: str, index: int = 0) -> "Phase":
-        """`warm:4`, `cold:16`, `warm:16:gil` (see the module docstring). Each disk phase has
-        its own questions, so none hits a question block an earlier one stored."""
-        kind, threads, *flags = spec.split(":")
-        if kind not in ("warm", "cold") or set(flags) - {"gil"}:
-            raise argparse.ArgumentTypeError(f"bad disk phase {spec!r}: warm|cold:THREADS[:gil]")
-        return cls(name=f"disk-{kind}-t{threads}" + ("-gil" if flags else ""),
-                   prompts=f"disk-{index}",
-                   read_threads=int(threads), cold=kind == "cold",
-                   gil_switch_s=GIL_SWITCH_S if flags else None)
-
-
-GIL_SWITCH_S = 0.0002  # vs CPython's default 0.005
+        """`warm:4`, `cold:16` (see the module docstring). Each disk phase has its own
+        questions, so none hits a question block an earlier one stored."""
+        kind, _, threads = spec.partition(":")
+        if kind not in ("warm", "cold") or not threads.isdigit():
+            raise argparse.ArgumentTypeError(f"bad disk phase {spec!r}: warm|cold:THREADS")
+        return cls(name=f"disk-{kind}-t{threads}", prompts=f"disk-{index}",
+                   read_threads=int(threads), cold=kind == "cold")
 
 
 def phases_of(disk_specs: list[str]) -> list[Phase]:
@@ -161,6 +154,8 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
     """In this process: start one engine, time the final prompts."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from minipic.connector.store.settle import wait_until_settled
 
     phase = Phase(**phase)
     kwargs = dict(engine, model=model, enable_prefix_caching=True, seed=0)
@@ -182,6 +177,9 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
     run([[11] * 64])  # kernels compiled/loaded before timing
     if phase.prompts == "gpu-hit":
         run(load["prefills"])
+        # Their blocks stream to the CPU tier and the store for seconds after the prefills:
+        # time the hits once that traffic is over (hits taken during it ran 2-4x slower).
+        wait_until_settled(connector["store_dir"], quiet_s=2.0)
     for final in load["warmups"][phase.prompts]:
         run([final])
     points: dict[int, dict] = {}
@@ -304,8 +302,6 @@ def run_child(phase: Phase, child: Path) -> dict:
     cmd = [sys.executable, __file__, "--phase", json.dumps(dataclasses.asdict(phase)),
            "--child-args", str(child)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
-    if phase.gil_switch_s:
-        env["MINIPIC_GIL_SWITCH_S"] = str(phase.gil_switch_s)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("minipic.connector")
+logger = logging.getLogger("vllm.minipic.connector")  # shares vLLM's handlers
 
 # Steps of full-size prefill the tier should absorb while the disk catches up.
 STEPS_OF_HEADROOM = 2

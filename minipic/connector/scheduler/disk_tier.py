@@ -44,12 +44,13 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
 from minipic.connector import compat
+from minipic.connector.scheduler.prefault import prefault
 from minipic.connector.scheduler.span_heads import SpanHeads
 from minipic.connector.store import block_file, eviction
 from minipic.connector.store.namespace import StoreNamespace, block_path, open_namespace
 from minipic.connector.store.stats import ProcessCounters
 
-logger = logging.getLogger("minipic.connector")
+logger = logging.getLogger("vllm.minipic.connector")  # shares vLLM's handlers
 
 # After a write fails for lack of space or permission, stop writing for this
 # long, then try again (eviction or an operator may have made room).
@@ -107,11 +108,16 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._pool = DualQueueThreadPool(n_read_threads, n_write_threads,
                                          thread_name_prefix="minipic_disk")
         self._lookup = _ExistsLookup(self)
-        if os.environ.get("MINIPIC_GIL_SWITCH_S"):  # EXPERIMENT, see docs/connector.md
-            import sys
-            sys.setswitchinterval(float(os.environ["MINIPIC_GIL_SWITCH_S"]))
+        self._prefault_primary()
 
     # -- set-up ---------------------------------------------------------------
+
+    def _prefault_primary(self) -> None:
+        """Map the CPU tier into this process now, not page by page during loads (prefault.py)."""
+        started = time.monotonic()
+        how = prefault(self._view)
+        logger.info("minipic store: mapped the %.1f GiB CPU tier in %.2f s (%s)",
+                    len(self._view) / 2**30, time.monotonic() - started, how)
 
     def open(self, fields: dict[str, Any], span_heads: SpanHeads | None = None) -> None:
         """Join the store under the namespace `fields` (see scheduler.identity);
