@@ -42,6 +42,8 @@ def _damage(path: str, how: str) -> None:
     data = bytearray(Path(path).read_bytes())
     if how == "truncated":
         data = data[:-100]
+    elif how == "extended":  # bytes after the payload: not a file this code wrote
+        data += b"\0"
     elif how == "payload":
         data[block_file.HEADER_LEN + 7] ^= 0xFF
     elif how == "header":
@@ -51,7 +53,7 @@ def _damage(path: str, how: str) -> None:
     Path(path).write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["truncated", "payload", "header", "stock"])
+@pytest.mark.parametrize("how", ["truncated", "extended", "payload", "header", "stock"])
 def test_damaged_files_are_rejected(tmp_path, how):
     path = str(tmp_path / "a.kv")
     write_block(path, NS.digest, KEY, payload())

@@ -107,26 +107,29 @@ def read_block_into(path: str, namespace: bytes, key: bytes, dest: memoryview) -
     Raises FileNotFoundError if the block is gone (evicted), BlockRejected
     (with the file's inode) if it is not a valid block for (namespace, key,
     len(dest)); `dest` then holds garbage that the caller must not use.
+
+    Three system calls and one hash: loads run on threads that need the GIL
+    back after each call, so the size is checked by the read itself (one
+    byte past the payload must not exist) instead of an fstat.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        st = os.fstat(fd)
         try:
-            if st.st_size != HEADER_LEN + len(dest):
-                raise BlockRejected(f"size {st.st_size}, expected {HEADER_LEN + len(dest)}")
             _read_verified(fd, namespace, key, dest)
         except BlockRejected as e:
-            e.inode = st.st_ino
+            e.inode = os.fstat(fd).st_ino
             raise
     finally:
         os.close(fd)
 
 
 def _read_verified(fd: int, namespace: bytes, key: bytes, dest: memoryview) -> None:
-    header = bytearray(HEADER_LEN)
-    got = os.readv(fd, [header, dest])
-    if got != HEADER_LEN + len(dest):
-        raise BlockRejected(f"short read: {got} bytes")
+    header, beyond = bytearray(HEADER_LEN), bytearray(1)
+    got, expected = os.readv(fd, [header, dest, beyond]), HEADER_LEN + len(dest)
+    if got > expected:
+        raise BlockRejected(f"file longer than the {expected} bytes expected")
+    if got < expected:
+        raise BlockRejected(f"size {got}, expected {expected}")
     fields = decode_header(bytes(header))
     if fields["namespace"] != namespace:
         raise BlockRejected("written by another configuration (namespace mismatch)")
