@@ -16,10 +16,10 @@ Each phase runs in its own process, as a restart would:
   2. gpu-hit: minipic with MiniPICConnector on a fresh store; spans prefilled once, then the
      final prompts hit them in GPU memory;
   3. disk phases (`--disk-phases`, default `warm:4`): each a new process on the same store, all
-     on the same documents (each with its own questions); the spans come from the disk tier. `warm:T` reads with T threads,
-     the store's files still in the OS page cache (they were written minutes earlier, as after
-     a restart on the same host); `cold:T` first drops the store's files from the page cache
-     (posix_fadvise DONTNEED), so they come from the device.
+     on the same documents (each with its own questions); the spans come from the disk tier.
+     `warm:T` reads with T threads, the store's files still in the OS page cache (written
+     minutes earlier, as after a restart on the same host); `cold:T` first drops the store's
+     files from the page cache (posix_fadvise DONTNEED), so they come from the device.
 TTFT = wall time of one request with max_tokens=1, requests one at a time, median of --repeats
 prompts. Every timed prompt has documents no other timed prompt of its phase uses, so a
 disk-phase prompt loads all its documents from the store (an earlier version reused one pool,
@@ -173,12 +173,11 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     run = lambda prompts: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                        params, use_tqdm=False)
-    timed = lambda prompt: (time.perf_counter(), run([prompt])[0])
     run([[11] * 64])  # kernels compiled/loaded before timing
     if phase.prompts == "gpu-hit":
         run(load["prefills"])
         # Their blocks stream to the CPU tier and the store for seconds after the prefills:
-        # time the hits once that traffic is over (hits taken during it ran 2-4x slower).
+        # time the hits once that traffic is over, not against it.
         wait_until_settled(connector["store_dir"], quiet_s=2.0)
     for final in load["warmups"][phase.prompts]:
         run([final])
@@ -186,12 +185,11 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
     for docs, final in load["finals"][phase.prompts]:
         point = points.setdefault(docs, {"docs": docs, "ttft_s": [], "cached_tokens": [],
                                          "prompt_tokens": len(final)})
-        start, out = timed(final)
-        point["ttft_s"].append(time.perf_counter() - start)
+        ttft, out = timed(run, final)
+        point["ttft_s"].append(ttft)
         point["cached_tokens"].append(out.num_cached_tokens)
         if not phase.minipic:  # the same prompt again: stock's own full prefix-cache hit
-            start, _ = timed(final)
-            point.setdefault("rerun_ttft_s", []).append(time.perf_counter() - start)
+            point.setdefault("rerun_ttft_s", []).append(timed(run, final)[0])
     if profile_dir:  # one more max-size prompt on fresh documents, under the torch profiler
         llm.start_profile(profile_prefix=phase.name)
         run([load["profiled"][phase.prompts]])
@@ -202,6 +200,13 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
             if series in point:
                 point[f"median_{series}"] = statistics.median(point[series])
     return {"phase": phase.name, "points": list(points.values())}
+
+
+def timed(run, prompt) -> tuple[float, object]:
+    """Seconds to the answer of one prompt (max_tokens=1: its first token), and the answer."""
+    start = time.perf_counter()
+    [out] = run([prompt])
+    return time.perf_counter() - start, out
 
 
 def main() -> None:
@@ -313,7 +318,8 @@ def run_child(phase: Phase, child: Path) -> dict:
 def save(results: list[dict], args) -> None:
     if args.out:
         options = {k: v for k, v in vars(args).items() if k not in ("out", "phase", "child_args")}
-        args.out.write_text(json.dumps({"args": options, "results": results}, indent=1, default=str))
+        args.out.write_text(json.dumps({"args": options, "results": results}, indent=1,
+                                       default=str))
 
 
 def report(results: list[dict], args) -> None:

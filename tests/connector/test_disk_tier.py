@@ -169,6 +169,15 @@ def test_disk_limit_evicts_least_recently_used(tmp_path):
     h.tier.shutdown()
 
 
+def test_prefault_maps_the_cpu_tier_without_changing_it():
+    from minipic.connector.scheduler.prefault import prefault
+
+    rows = np.arange(3 * 4096 + 100, dtype=np.uint8)
+    before = rows.copy()
+    assert prefault(memoryview(rows)) in ("madvise", "touched")
+    assert (rows == before).all()
+
+
 def test_span_head_keys():
     tokens = [3] + [9] * 31 + [9] * 32 + [3] + [9] * 31
     keys = span_head_keys(tokens, [b"a", b"b", b"c"], 32, ssep_token_id=3)
