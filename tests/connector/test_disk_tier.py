@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import time
 from types import SimpleNamespace
@@ -31,8 +32,15 @@ def key(i: int):
 class Harness:
     """A CPU tier buffer and the tier, driven the way vLLM's tiering manager drives it."""
 
-    def __init__(self, root, **kwargs):
-        self.rows = np.zeros((8, ROW), dtype=np.uint8)
+    def __init__(self, root, shared_file=None, **kwargs):
+        # A shared file like vLLM's CPU tier (reader processes map it too), or plain memory.
+        if shared_file is not None:
+            with open(shared_file, "wb+") as f:
+                f.truncate(8 * ROW)
+                self._mapping = mmap.mmap(f.fileno(), 8 * ROW)
+            self.rows = np.frombuffer(self._mapping, dtype=np.uint8).reshape(8, ROW)
+        else:
+            self.rows = np.zeros((8, ROW), dtype=np.uint8)
         self.tier = MiniPICDiskTier(SimpleNamespace(), memoryview(self.rows), "minipic_disk",
                                     root_dir=str(root), **kwargs)
         self.next_job = 0
@@ -64,9 +72,13 @@ class Harness:
             time.sleep(0.01)
 
 
-@pytest.fixture
-def harness(tmp_path):
-    h = Harness(tmp_path / "store")
+@pytest.fixture(params=["threads", "reader processes"])
+def harness(tmp_path, request):
+    if request.param == "threads":
+        h = Harness(tmp_path / "store")
+    else:
+        h = Harness(tmp_path / "store", shared_file=tmp_path / "cpu-tier", n_read_processes=2)
+        assert h.tier._readers is not None and h.tier._readers.count == 2
     h.tier.open(FIELDS, SpanHeads())
     yield h
     h.tier.shutdown()
@@ -176,6 +188,21 @@ def test_prefault_maps_the_cpu_tier_without_changing_it():
     before = rows.copy()
     assert prefault(memoryview(rows)) in ("madvise", "touched")
     assert (rows == before).all()
+
+
+def test_a_dead_reader_fails_its_load_and_threads_take_over(tmp_path):
+    h = Harness(tmp_path / "store", shared_file=tmp_path / "cpu-tier", n_read_processes=1)
+    h.tier.open(FIELDS)
+    h.rows[0], h.rows[1] = 3, 4
+    assert h.run(h.tier.submit_store, [key(1), key(2)], [0, 1])
+    [(process, _)] = h.tier._readers._processes
+    process.kill()
+    process.wait()
+    assert not h.run(h.tier.submit_load, [key(1)], [5])  # recomputed, never half-loaded
+    assert h.tier._readers.broken
+    assert h.run(h.tier.submit_load, [key(2)], [6])  # on the tier's own threads now
+    assert (h.rows[6] == 4).all()
+    h.tier.shutdown()
 
 
 def test_span_head_keys():

@@ -61,8 +61,10 @@ FULL_HITS = [len(f) - len(P["task"]) for f in FINALS]
 
 
 def extra_config(store: Path, **more) -> dict:
+    # One reader process: loads take the path GPU hosts use (small hosts default to threads,
+    # which tests/connector/test_disk_tier.py covers).
     return {"store_dir": str(store), "cpu_bytes": 64 << 20, "ssep_token_id": SSEP,
-            "pdep_token_id": PDEP, "pad_token_id": PAD, **more}
+            "pdep_token_id": PDEP, "pad_token_id": PAD, "disk_read_processes": 1, **more}
 
 
 def start_engine(tmp: Path, name: str, model: str, store: Path, steps: list, **extra) -> tuple:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from minipic.connector.options import ConnectorConfigError, apply_offload_config
+from minipic.connector.options import (
+    ConnectorConfigError, apply_offload_config, default_read_processes)
 from minipic.connector.store import block_file
 from minipic.connector.store.block_file import BlockRejected, read_block_into, write_block
 from minipic.connector.store.eviction import evict_lru, _exclusive
@@ -200,7 +201,8 @@ def test_options_become_vllm_offload_config():
     assert extra["cpu_bytes_to_use"] == 1 << 20 and extra["eviction_policy"] == "arc"
     assert extra["secondary_tiers"] == [{"type": "minipic_disk", "root_dir": "/s",
                                          "max_bytes": 1 << 30, "n_read_threads": 4,
-                                         "n_write_threads": 4}]
+                                         "n_write_threads": 4,
+                                         "n_read_processes": default_read_processes()}]
     before = dict(extra)
     apply_offload_config(extra)
     assert extra == before  # every process applies it; once is enough
@@ -214,6 +216,7 @@ def test_options_become_vllm_offload_config():
     ({"block_size": 64}, "block by block"),
     ({"spec_name": "CPUOffloadingSpec"}, "own offloading spec"),
     ({"secondary_tiers": []}, "store_dir"),
+    ({"disk_read_processes": -1}, "0 or more"),
 ])
 def test_bad_options_fail_clearly(extra, message):
     with pytest.raises(ConnectorConfigError, match=message):

@@ -12,7 +12,9 @@ for I/O) and adds what the stock FS tier lacks:
     as a miss for this process, so its blocks are recomputed (never loaded);
   * degraded mode: a full, read-only or missing disk turns writes (or the
     whole tier) off instead of failing the engine;
-  * a size limit with LRU eviction, and counters for `minipic store stats`.
+  * a size limit with LRU eviction, and counters for `minipic store stats`;
+  * loads in reader processes of their own (`reader_processes.py`), so they do
+    not wait for the GIL while the scheduler busy-polls; threads as a fallback.
 
 Everything here runs on the scheduler thread except the task closures, which
 run on pool threads and only touch the CPU-tier buffer and the files.
@@ -44,7 +46,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
 from minipic.connector import compat
-from minipic.connector.scheduler.prefault import prefault
+from minipic.connector.scheduler.prefault import buffer_address, prefault
+from minipic.connector.scheduler.reader_processes import (
+    OK, REJECTED, FAILED, ReaderProcesses, read_chunk, region_of)
 from minipic.connector.scheduler.span_heads import SpanHeads
 from minipic.connector.store import block_file, eviction
 from minipic.connector.store.namespace import StoreNamespace, block_path, open_namespace
@@ -81,7 +85,7 @@ class MiniPICDiskTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  root_dir: str, max_bytes: int | None = None, n_read_threads: int = 4,
-                 n_write_threads: int = 4, **base_kwargs: Any):
+                 n_write_threads: int = 4, n_read_processes: int = 0, **base_kwargs: Any):
         # base_kwargs: what newer vLLM passes every tier (e.g. backpressure_detector).
         super().__init__(offloading_spec, primary_kv_view, tier_type, **base_kwargs)
         self._view = primary_kv_view.cast("B")
@@ -105,10 +109,13 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._bytes_since_eviction = 0
         self._evicting = threading.Lock()
 
+        self._prefault_primary()
+        self._readers = self._start_readers(n_read_processes)
+        # With readers, a load thread only waits on its reader: one thread per reader.
+        n_read_threads = max(n_read_threads, self._readers.count if self._readers else 0)
         self._pool = DualQueueThreadPool(n_read_threads, n_write_threads,
                                          thread_name_prefix="minipic_disk")
         self._lookup = _ExistsLookup(self)
-        self._prefault_primary()
 
     # -- set-up ---------------------------------------------------------------
 
@@ -118,6 +125,21 @@ class MiniPICDiskTier(SecondaryTierManager):
         how = prefault(self._view)
         logger.info("minipic store: mapped the %.1f GiB CPU tier in %.2f s (%s)",
                     len(self._view) / 2**30, time.monotonic() - started, how)
+
+    def _start_readers(self, count: int) -> ReaderProcesses | None:
+        if count <= 0:
+            return None
+        region = region_of(buffer_address(self._view), len(self._view))
+        if region is None:  # e.g. a test's plain buffer: no file the readers could map
+            logger.info("minipic store: the CPU tier is not a mapped file; loading on threads")
+            return None
+        try:
+            readers = ReaderProcesses(region, self._row_bytes, count)
+            logger.info("minipic store: loading through %d reader processes", count)
+            return readers
+        except OSError as e:
+            logger.warning("minipic store: no reader processes (%s); loading on threads", e)
+            return None
 
     def open(self, fields: dict[str, Any], span_heads: SpanHeads | None = None) -> None:
         """Join the store under the namespace `fields` (see scheduler.identity);
@@ -197,9 +219,20 @@ class MiniPICDiskTier(SecondaryTierManager):
     def submit_load(self, job: Any) -> None:
         keys = list(job.keys)
         record = self._jobs[job.job_id] = _Job(keys, is_store=False)
-        tasks = [self._load_task(k, int(slot), record)
-                 for k, slot in zip(keys, compat.job_slots(job))]
+        requests = [(self.path_of(k), self._namespace.digest, k, int(slot))
+                    for k, slot in zip(keys, compat.job_slots(job))]
+        read, chunks = self._load_plan(requests)
+        tasks = [self._load_task(read, chunk, record) for chunk in chunks]
         self._pool.enqueue_load(job.job_id, len(tasks), tasks)
+
+    def _load_plan(self, requests: list) -> tuple[Any, list[list]]:
+        """How to read: one chunk per reader process, or one block per pool thread."""
+        readers = self._readers
+        if readers is None or readers.broken:
+            return (lambda chunk: read_chunk(self._view, self._row_bytes, chunk),
+                    [[request] for request in requests])
+        size = -(-len(requests) // readers.count)
+        return readers.read, [requests[i:i + size] for i in range(0, len(requests), size)]
 
     def _row(self, slot: int) -> memoryview:
         return self._view[slot * self._row_bytes:(slot + 1) * self._row_bytes]
@@ -223,34 +256,37 @@ class MiniPICDiskTier(SecondaryTierManager):
 
         return store
 
-    def _load_task(self, key: OffloadKey, slot: int, job: _Job):
-        path = self.path_of(key)
-
+    def _load_task(self, read: Any, chunk: list, job: _Job):
         def load() -> None:
             try:
-                self._load_block(path, key, slot)
+                results = read(chunk)
+            except (OSError, EOFError) as e:  # a reader process died: recompute these
+                results = [(FAILED, str(e))] * len(chunk)
             finally:
                 job.last_task_done = time.monotonic()
+            self._record_loads(chunk, results)
 
         return load
 
-    def _load_block(self, path: str, key: OffloadKey, slot: int) -> None:
-        try:
-            block_file.read_block_into(path, self._namespace.digest, key, self._row(slot))
-        except FileNotFoundError:
-            self._rejects.put(key)  # evicted since the lookup: recompute
-            raise
-        except block_file.BlockRejected as e:
+    def _record_loads(self, chunk: list, results: list) -> None:
+        """Counters and rejects of one chunk; raises (failing the job) if a block is missing."""
+        failed = 0
+        for (path, _, key, _), (status, detail) in zip(chunk, results):
+            if status == OK:
+                continue
+            failed += 1
+            # Evicted since the lookup, bad, or unreadable now: a miss from here on, recomputed.
             self._rejects.put(key)
-            self.counters.add(rejected_blocks=1)
-            logger.warning("minipic store: ignoring %s (%s); it will be recomputed", path, e)
-            _remove_if_same(path, e.inode)
-            raise
-        except OSError:
-            self._rejects.put(key)  # unreadable now (I/O error, fd limit): recompute
-            raise
-        eviction.touch(path)
-        self.counters.add(hit_blocks=1, hit_bytes=self._row_bytes)
+            if status == REJECTED:
+                reason, inode = detail
+                self.counters.add(rejected_blocks=1)
+                logger.warning("minipic store: ignoring %s (%s); it will be recomputed",
+                               path, reason)
+                _remove_if_same(path, inode)
+        loaded = len(chunk) - failed
+        self.counters.add(hit_blocks=loaded, hit_bytes=loaded * self._row_bytes)
+        if failed:
+            raise OSError(f"{failed} of {len(chunk)} blocks not loaded")
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._instant_results = self._instant_results, []
@@ -345,6 +381,8 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._pool.wait_idle()
         self._lookup.shutdown()
         self._pool.shutdown(wait=True)
+        if self._readers is not None:
+            self._readers.close()
         self.counters.maybe_flush(force=True)
         # Our byte view pins the CPU tier's mmap: release it so the tier can close it.
         self._view.release()

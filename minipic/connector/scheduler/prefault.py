@@ -26,6 +26,15 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without chang
 PAGE = 4096
 
 
+def buffer_address(view: memoryview) -> int:
+    """Address of the view's first byte (holds no export of it afterwards)."""
+    array = np.frombuffer(view, dtype=np.uint8)
+    try:
+        return array.ctypes.data
+    finally:
+        del array
+
+
 def prefault(view: memoryview) -> str:
     """Map every page of `view` (a writable buffer); returns how it was done."""
     array = np.frombuffer(view, dtype=np.uint8)

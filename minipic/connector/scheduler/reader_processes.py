@@ -1,0 +1,160 @@
+"""Disk-tier loads in reader processes of their own, so they never wait for the GIL.
+
+The disk tier runs in the engine-core process, whose scheduler thread busy-polls
+(schedule, then a 1 ms sleep) while a request waits for its load. Load threads
+need the GIL back after every system call and every hash, and next to that
+loop they crawled: on the H200 host (`tools/bench_store_read.py`, 630 blocks of
+2 MiB, page cache warm) 16 threads read 20 GiB/s alone but 4.3 GiB/s next to a
+thread that loops 3 ms and sleeps 1 ms; 16 processes read 13-15 GiB/s, with
+their own GILs. The engine itself loaded at 6-7.5 GiB/s with threads.
+
+Each reader maps the CPU tier's shared-memory file itself and writes the
+verified blocks straight into their rows; the engine core only sends paths and
+row numbers and gets one short result per block back (one message per chunk).
+A reader that dies makes its chunk fail (those blocks are recomputed) and the
+tier falls back to reading on its threads.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from minipic.connector.store import block_file, eviction
+
+# What a reader reports per block (see `read_chunk`).
+OK, MISSING, REJECTED, FAILED = "ok", "missing", "rejected", "failed"
+
+
+@dataclass(frozen=True)
+class MappedRegion:
+    """Where a buffer lives in a file: the readers map the same bytes."""
+
+    path: str
+    offset: int  # of the buffer's first byte in the file
+    length: int
+
+
+def region_of(address: int, length: int) -> MappedRegion | None:
+    """The file mapping that holds [address, address + length) in this process, if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or not fields[5].startswith("/"):
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address and address + length <= end:
+                    return MappedRegion(fields[5].strip(), int(fields[2], 16) + address - start,
+                                        length)
+    except OSError:
+        return None
+    return None
+
+
+def read_chunk(view: memoryview, row_bytes: int,
+               requests: list[tuple[str, bytes, bytes, int]]) -> list[tuple[str, object]]:
+    """Read each (path, namespace, key, row) into its row; one (status, detail) per block."""
+    results: list[tuple[str, object]] = []
+    for path, namespace, key, row in requests:
+        dest = view[row * row_bytes:(row + 1) * row_bytes]
+        try:
+            block_file.read_block_into(path, namespace, key, dest)
+        except FileNotFoundError:
+            results.append((MISSING, None))
+        except block_file.BlockRejected as e:
+            results.append((REJECTED, (str(e), e.inode)))
+        except OSError as e:
+            results.append((FAILED, str(e)))
+        else:
+            eviction.touch(path)  # here, not in the engine core: one system call fewer there
+            results.append((OK, None))
+    return results
+
+
+def _serve(conn, region: MappedRegion, row_bytes: int) -> None:
+    """A reader process: map the region, then read chunks until told to stop."""
+    from minipic.connector.scheduler.prefault import prefault
+
+    page = mmap.ALLOCATIONGRANULARITY
+    start = region.offset - region.offset % page
+    fd = os.open(region.path, os.O_RDWR)
+    try:
+        mapping = mmap.mmap(fd, region.length + region.offset - start, offset=start)
+    finally:
+        os.close(fd)
+    view = memoryview(mapping)[region.offset - start:]
+    prefault(view)
+    while True:
+        try:
+            requests = conn.recv()
+        except EOFError:  # the engine core is gone
+            return
+        if requests is None:
+            return
+        conn.send(read_chunk(view, row_bytes, requests))
+
+
+class ReaderProcesses:
+    """`count` reader processes over one mapped region; `read` is called from many threads.
+
+    Started as `python -m` this module rather than through multiprocessing: a spawned
+    child would re-import the user's main script (often vLLM and torch, seconds and
+    hundreds of MB each), and the engine core has threads, so it must not fork.
+    """
+
+    def __init__(self, region: MappedRegion, row_bytes: int, count: int):
+        self._processes: list[tuple[subprocess.Popen, Connection]] = []
+        self._idle: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+        self.broken = False
+        for _ in range(count):
+            ours, theirs = socket.socketpair()
+            with ours, theirs:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", __name__, str(theirs.fileno()), region.path,
+                     str(region.offset), str(region.length), str(row_bytes)],
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                conn = Connection(os.dup(ours.fileno()))
+            self._processes.append((process, conn))
+            self._idle.put(conn)
+
+    @property
+    def count(self) -> int:
+        return len(self._processes)
+
+    def read(self, requests: list[tuple[str, bytes, bytes, int]]) -> list[tuple[str, object]]:
+        """Blocks until an idle reader has read the chunk. Raises OSError/EOFError if the
+        reader died (`broken` then tells the tier to stop sending chunks to readers)."""
+        conn = self._idle.get()
+        try:
+            conn.send(requests)
+            return conn.recv()
+        except (OSError, EOFError):
+            self.broken = True
+            raise
+        finally:
+            self._idle.put(conn)  # a dead one fails its next user at once instead of hanging it
+
+    def close(self) -> None:
+        for _, conn in self._processes:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for process, conn in self._processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            conn.close()
+
+
+if __name__ == "__main__":
+    fd, path, offset, length, row = sys.argv[1:6]
+    _serve(Connection(int(fd)), MappedRegion(path, int(offset), int(length)), int(row))
