@@ -19,7 +19,8 @@ Each phase runs in its own process, as a restart would:
      on the same documents (each with its own questions); the spans come from the disk tier.
      `warm:T` reads with T threads, the store's files still in the OS page cache (written
      minutes earlier, as after a restart on the same host); `cold:T` first drops the store's
-     files from the page cache (posix_fadvise DONTNEED), so they come from the device.
+     files from the page cache (posix_fadvise DONTNEED), so they come from the device;
+     `warm:T:P` also sets the reader processes (`disk_read_processes`, 0 = threads only).
 TTFT = wall time of one request with max_tokens=1, requests one at a time, median of --repeats
 prompts. Every timed prompt has documents no other timed prompt of its phase uses, so a
 disk-phase prompt loads all its documents from the store (an earlier version reused one pool,
@@ -131,17 +132,22 @@ class Phase:
     prompts: str  # its prompt set: the same documents in every set, its own questions and order
     minipic: bool = True
     read_threads: int | None = None  # disk phases: the disk tier's read threads
+    read_processes: int | None = None  # and its reader processes (None: minipic's default)
     cold: bool = False  # drop the store's files from the page cache first
 
     @classmethod
     def disk(cls, spec: str, index: int = 0) -> "Phase":
-        """`warm:4`, `cold:16` (see the module docstring). Each disk phase has its own
-        questions, so none hits a question block an earlier one stored."""
-        kind, _, threads = spec.partition(":")
-        if kind not in ("warm", "cold") or not threads.isdigit():
-            raise argparse.ArgumentTypeError(f"bad disk phase {spec!r}: warm|cold:THREADS")
-        return cls(name=f"disk-{kind}-t{threads}", prompts=f"disk-{index}",
-                   read_threads=int(threads), cold=kind == "cold")
+        """`warm:4`, `cold:16`, `warm:16:0` (see the module docstring). Each disk phase has
+        its own questions, so none hits a question block an earlier one stored."""
+        kind, threads, *processes = spec.split(":")
+        if kind not in ("warm", "cold") or not all(x.isdigit() for x in [threads, *processes]) \
+                or len(processes) > 1:
+            raise argparse.ArgumentTypeError(
+                f"bad disk phase {spec!r}: warm|cold:THREADS[:PROCESSES]")
+        name = f"disk-{kind}-t{threads}" + "".join(f"-p{p}" for p in processes)
+        return cls(name=name, prompts=f"disk-{index}", read_threads=int(threads),
+                   read_processes=int(processes[0]) if processes else None,
+                   cold=kind == "cold")
 
 
 def phases_of(disk_specs: list[str]) -> list[Phase]:
@@ -166,6 +172,8 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
         extra = dict(connector)
         if phase.read_threads:
             extra["disk_read_threads"] = phase.read_threads
+        if phase.read_processes is not None:
+            extra["disk_read_processes"] = phase.read_processes
         kwargs["kv_transfer_config"] = {
             "kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
             "kv_role": "kv_both", "kv_connector_extra_config": extra}

@@ -25,6 +25,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from minipic.connector.store import block_file, eviction
 
@@ -113,13 +114,18 @@ class ReaderProcesses:
         self._processes: list[tuple[subprocess.Popen, Connection]] = []
         self._idle: queue.SimpleQueue[Connection] = queue.SimpleQueue()
         self.broken = False
+        # The readers import minipic from where this process did (a checkout on sys.path
+        # alone is not inherited).
+        package_root = str(Path(__file__).resolve().parents[3])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         for _ in range(count):
             ours, theirs = socket.socketpair()
             with ours, theirs:
                 process = subprocess.Popen(
                     [sys.executable, "-m", __name__, str(theirs.fileno()), region.path,
                      str(region.offset), str(region.length), str(row_bytes)],
-                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
                 conn = Connection(os.dup(ours.fileno()))
             self._processes.append((process, conn))
             self._idle.put(conn)
