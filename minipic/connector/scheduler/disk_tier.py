@@ -17,7 +17,8 @@ for I/O) and adds what the stock FS tier lacks:
     not wait for the GIL while the scheduler busy-polls; threads as a fallback.
 
 Everything here runs on the scheduler thread except the task closures, which
-run on pool threads and only touch the CPU-tier buffer and the files.
+run on pool threads and only touch the CPU-tier buffer and the files (or, for
+loads, hand a chunk to a reader process and wait for its answer).
 """
 
 from __future__ import annotations
