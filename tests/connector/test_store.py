@@ -165,7 +165,8 @@ def test_stats_and_cli(tmp_path, capsys):
         write_block(block_path(ns_dir, bytes([i]) * 32, 0), NS.digest, KEY, payload(),
                     flags=block_file.FLAG_SPAN_HEAD if i == 0 else 0)
     (ns_dir / "stats").mkdir()
-    (ns_dir / "stats" / "p1.json").write_text('{"hit_blocks": 5, "hit_bytes": 20480}')
+    (ns_dir / "stats" / "p1.json").write_text(
+        '{"hit_blocks": 5, "hit_bytes": 20480, "load_jobs": 2, "load_us": 4000}')
     (ns_dir / "stats" / "p2.json").write_text('{"hit_blocks": 2}')
     [ns] = scan_store(tmp_path)
     assert (ns.spans, ns.blocks, ns.counters["hit_blocks"]) == (1, 3, 7)
@@ -173,6 +174,7 @@ def test_stats_and_cli(tmp_path, capsys):
     assert main(["store", "stats", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "spans      1" in out and "blocks     3" in out and "hits       7 blocks" in out
+    assert "loads      2 jobs, 2.0 ms each on average" in out
 
     bad = block_path(ns_dir, bytes([1]) * 32, 0)
     _damage(bad, "payload")
