@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minipic.connector.scheduler.prefault import prefault  # noqa: E402
 from minipic.connector.store import block_file  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ttft import drop_from_page_cache  # noqa: E402  (the store's files, same way)
+
 NAMESPACE = b"bench-store-read"  # 16 bytes, like a store namespace digest
 
 
@@ -131,15 +134,6 @@ def busy_python_thread():
         thread.join()
 
 
-def drop_cache(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/minipic-store-read"))
@@ -164,7 +158,7 @@ def main() -> None:
         rates = []
         for _ in range(2):
             if args.cold:
-                drop_cache(paths)
+                drop_from_page_cache(str(args.dir / "blocks"))
             start = time.perf_counter()
             seconds = run() or time.perf_counter() - start
             rates.append(total / seconds)
