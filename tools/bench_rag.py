@@ -237,7 +237,8 @@ def is_cuda() -> bool:
     return current_platform.is_cuda()
 
 
-def connector_config(arch: str, store: str, markers: dict, disk_max_bytes: int | None):
+def connector_config(arch: str, store: str, markers: dict, disk_max_bytes: int | None,
+                     cpu_bytes: int | None = None):
     """A KVTransferConfig object: LLM(...) converts a dict itself, (Async)EngineArgs on
     vLLM 0.25.1 does not."""
     from vllm.config import KVTransferConfig
@@ -245,6 +246,8 @@ def connector_config(arch: str, store: str, markers: dict, disk_max_bytes: int |
     extra = bench_ttft.connector_extra(arch, store, markers)
     if disk_max_bytes:
         extra["disk_max_bytes"] = disk_max_bytes
+    if cpu_bytes:
+        extra["cpu_bytes"] = cpu_bytes
     return KVTransferConfig(
         kv_connector="MiniPICConnector", kv_connector_module_path="minipic.connector",
         kv_role="kv_both", kv_connector_extra_config=extra)
@@ -263,7 +266,8 @@ def engine_args(spec: dict, config: Config, max_num_seqs: int) -> tuple[dict, st
             attention = f"CPU backend ({config.attention} exists on CUDA only)"
     if config.disk_warm:
         args["kv_transfer_config"] = connector_config(spec["arch"], spec["store"], spec["markers"],
-                                                      spec.get("disk_max_bytes"))
+                                                      spec.get("disk_max_bytes"),
+                                                      spec.get("cpu_bytes"))
     elif config.minipic:
         args["additional_config"] = {"minipic": dict(spec["markers"])}
     return args, attention
@@ -479,6 +483,7 @@ def table1(args, base: dict, work: Path) -> None:
                 continue
             populated = run_child(dict(spec, kind="populate", name=f"populate {run.name}"),
                                   work, args.out / "logs")
+            populated["store_after"] = store_summary(spec["store"])
             spec["populate"] = populated
             if "error" in populated:
                 results.append({"name": run.name, "error": "populate: " + populated["error"]})
@@ -487,6 +492,7 @@ def table1(args, base: dict, work: Path) -> None:
         result = run_child(spec, work, args.out / "logs")
         if "populate" in spec:
             result["populate"] = spec["populate"]
+            result["store_after"] = store_summary(spec["store"])
             shutil.rmtree(spec["store"], ignore_errors=True)
         results.append(result)
         save_table1(args, results)
@@ -506,7 +512,21 @@ def disk_tier_spec(spec: dict, run: Run, args, base: dict, work: Path) -> dict:
         return {"error": f"the spans need ~{needed / 2**30:.1f} GiB of store, more than the "
                          f"limit ({limit / 2**30:.0f} GiB) or 90% of the free disk "
                          f"({free / 2**30:.0f} GiB): use fewer --samples or a higher repeat rate"}
-    return dict(spec, store=str(store), disk_max_bytes=limit, store_bytes_estimate=needed)
+    return dict(spec, store=str(store), disk_max_bytes=limit, store_bytes_estimate=needed,
+                cpu_bytes=int(args.cpu_gb * 2**30) if args.cpu_gb else None)
+
+
+def store_summary(store: str) -> dict:
+    """What the store holds and its summed counters (all processes so far): shows whether
+    every span reached the disk and how many blocks the measured run loaded."""
+    from minipic.connector.store.stats import scan_store
+
+    namespaces = scan_store(store) if os.path.isdir(store) else []
+    summary = {k: sum(getattr(ns, k) for ns in namespaces) for k in ("spans", "blocks", "bytes")}
+    for ns in namespaces:
+        for k, v in ns.counters.items():
+            summary[k] = summary.get(k, 0) + v
+    return summary
 
 
 def save_table1(args, results: list[dict]) -> None:
@@ -546,7 +566,18 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
                          f"{ratio(r, '2')} | {r['cached_tokens']} / {r['prompt_tokens']}"
                          f"{'' if expected is None else f' ({expected})'} | {spans} | "
                          f"{r.get('computed_tokens', 0) / r['samples']:.0f} | {r['failed']} |")
+        lines += [store_line(r) for r in rows if "store_after" in r]
     return "\n".join(lines) + "\n"
+
+
+def store_line(row: dict) -> str:
+    """Config 6: did every span reach the disk, and how much did the measured run load?"""
+    written, after = row["populate"].get("store_after", {}), row["store_after"]
+    loaded = after.get("hit_bytes", 0) - written.get("hit_bytes", 0)
+    return (f"\nConfig {row['config']}: the populating run left {written.get('blocks', '?')} "
+            f"blocks ({written.get('bytes', 0) / 2**20:.0f} MiB) in the store; the measured run "
+            f"loaded {loaded / 2**20:.0f} MiB from it in "
+            f"{after.get('load_jobs', 0) - written.get('load_jobs', 0)} load jobs.")
 
 
 def host_facts() -> dict:
@@ -584,7 +615,8 @@ def figure2(args, base: dict, work: Path) -> None:
     if "ttft" in args.parts:  # first: the headline numbers, saved after every phase
         out["ttft"] = bench_ttft.measure(args.arch, args.doc_counts, args.doc_tokens,
                                          args.repeats, args.eager,
-                                         save=lambda phases: (out.update(ttft=phases), save()))
+                                         save=lambda phases: (out.update(ttft=phases), save()),
+                                         disk_phases=args.disk_phases)
     if "preload" in args.parts:
         engine = dict(base["engine"], max_model_len=max(args.lengths) + 64)
         out["preload"] = [run_child(dict(base, engine=engine, kind="preload", name=f"preload {impl}",
@@ -684,10 +716,14 @@ def parse_args() -> argparse.Namespace:
                     help="vLLM's max_num_batched_tokens (default 16384; vLLM's own on tiny)")
     t1.add_argument("--store-dir", help="where config 6's store goes (default: a temp dir)")
     t1.add_argument("--disk-max-gb", type=float, default=40.0, help="config 6's store limit")
+    t1.add_argument("--cpu-gb", type=float,
+                    help="config 6's CPU tier (default: bench_ttft's, 8 GiB on the 8B model)")
     t1.set_defaults(func=table1)
 
     f2 = commands.add_parser("figure2", parents=[common], help="TTFT and preload times")
     f2.add_argument("--parts", default="preload,ttft")
+    f2.add_argument("--disk-phases", type=lambda t: t.split(","), default=["warm:4"],
+                    help="bench_ttft.py's disk phases for the TTFT panel")
     f2.add_argument("--doc-counts", type=bench_ttft.int_list, default=[1, 2, 5, 10, 20, 30, 40])
     f2.add_argument("--doc-tokens", type=int, default=1000)
     f2.add_argument("--lengths", type=bench_ttft.int_list,
