@@ -243,11 +243,9 @@ def connector_config(arch: str, store: str, markers: dict, disk_max_bytes: int |
     vLLM 0.25.1 does not."""
     from vllm.config import KVTransferConfig
 
-    extra = bench_ttft.connector_extra(arch, store, markers)
+    extra = bench_ttft.connector_extra(arch, store, markers, cpu_bytes)
     if disk_max_bytes:
         extra["disk_max_bytes"] = disk_max_bytes
-    if cpu_bytes:
-        extra["cpu_bytes"] = cpu_bytes
     return KVTransferConfig(
         kv_connector="MiniPICConnector", kv_connector_module_path="minipic.connector",
         kv_role="kv_both", kv_connector_extra_config=extra)
@@ -513,7 +511,7 @@ def disk_tier_spec(spec: dict, run: Run, args, base: dict, work: Path) -> dict:
                          f"limit ({limit / 2**30:.0f} GiB) or 90% of the free disk "
                          f"({free / 2**30:.0f} GiB): use fewer --samples or a higher repeat rate"}
     return dict(spec, store=str(store), disk_max_bytes=limit, store_bytes_estimate=needed,
-                cpu_bytes=int(args.cpu_gb * 2**30) if args.cpu_gb else None)
+                cpu_bytes=bench_ttft.gib(args.cpu_gb))
 
 
 def store_summary(store: str) -> dict:
@@ -616,7 +614,8 @@ def figure2(args, base: dict, work: Path) -> None:
         out["ttft"] = bench_ttft.measure(args.arch, args.doc_counts, args.doc_tokens,
                                          args.repeats, args.eager,
                                          save=lambda phases: (out.update(ttft=phases), save()),
-                                         disk_phases=args.disk_phases)
+                                         disk_phases=args.disk_phases,
+                                         cpu_bytes=bench_ttft.gib(args.cpu_gb))
     if "preload" in args.parts:
         engine = dict(base["engine"], max_model_len=max(args.lengths) + 64)
         out["preload"] = [run_child(dict(base, engine=engine, kind="preload", name=f"preload {impl}",
@@ -699,6 +698,9 @@ def parse_args() -> argparse.Namespace:
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--eager", action="store_true", help="enforce_eager (faster start)")
     common.add_argument("--quick", action="store_true", help="tiny sizes, for smoke runs")
+    common.add_argument("--cpu-gb", type=float,
+                        help="the connector's CPU tier, config 6 and figure2's TTFT (default: "
+                             "8 GiB on the 8B model)")
 
     t1 = commands.add_parser("table1", parents=[common], help="samples/s per configuration")
     t1.add_argument("--configs", default="1,2,3,4,5,6",
@@ -716,8 +718,6 @@ def parse_args() -> argparse.Namespace:
                     help="vLLM's max_num_batched_tokens (default 16384; vLLM's own on tiny)")
     t1.add_argument("--store-dir", help="where config 6's store goes (default: a temp dir)")
     t1.add_argument("--disk-max-gb", type=float, default=40.0, help="config 6's store limit")
-    t1.add_argument("--cpu-gb", type=float,
-                    help="config 6's CPU tier (default: bench_ttft's, 8 GiB on the 8B model)")
     t1.set_defaults(func=table1)
 
     f2 = commands.add_parser("figure2", parents=[common], help="TTFT and preload times")

@@ -67,13 +67,14 @@ def make_model(arch: str, root: Path) -> tuple[str, dict, dict]:
                            max_model_len=32768), llama3_8b.MARKERS
 
 
-def connector_extra(arch: str, store: str, markers: dict) -> dict:
-    """MiniPICConnector options. The 8B model gets an 8 GiB CPU tier: 4 steps of 16384
-    tokens, so that span bursts reach the store whole (minipic's cpu_tier_sizing warns
-    below 2 steps; the 2 GiB default drops stores at this size)."""
+def connector_extra(arch: str, store: str, markers: dict, cpu_bytes: int | None = None) -> dict:
+    """MiniPICConnector options. The 8B model gets an 8 GiB CPU tier unless told otherwise:
+    4 steps of 16384 tokens, so that span bursts reach the store whole (minipic's
+    cpu_tier_sizing warns below 2 steps; the 2 GiB default drops stores at this size). A
+    prompt's loads pass through the tier too: 40 documents of 1000 tokens need 5 GiB of it."""
     extra = {"store_dir": store, **markers}
-    if arch == "llama3-8b":
-        extra["cpu_bytes"] = 8 << 30
+    if cpu_bytes or arch == "llama3-8b":
+        extra["cpu_bytes"] = cpu_bytes or 8 << 30
     return extra
 
 
@@ -230,6 +231,7 @@ def main() -> None:
     parser.add_argument("--profile-dir", type=Path,
                         help="also run one untimed prompt per phase (fresh documents, the "
                              "largest count) under vLLM's torch profiler; traces go here")
+    parser.add_argument("--cpu-gb", type=float, help="the connector's CPU tier (default 8 on 8B)")
     parser.add_argument("--disk-phases", type=lambda t: t.split(","), default=["warm:4"],
                         help="disk phases, e.g. warm:4,warm:16,cold:16 (module docstring)")
     parser.add_argument("--phase", type=json.loads, help=argparse.SUPPRESS)  # child entry
@@ -243,8 +245,12 @@ def main() -> None:
         Phase.disk(spec)  # a typo fails now, not after the first phases
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,
-                      disk_phases=args.disk_phases)
+                      disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb))
     report(results, args)
+
+
+def gib(size: float | None) -> int | None:
+    return int(size * 2**30) if size else None
 
 
 def int_list(text: str) -> list[int]:
@@ -253,7 +259,7 @@ def int_list(text: str) -> list[int]:
 
 def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
             save=lambda results: None, profile_dir: Path | None = None,
-            disk_phases: list[str] = ("warm:4",)) -> list[dict]:
+            disk_phases: list[str] = ("warm:4",), cpu_bytes: int | None = None) -> list[dict]:
     """All phases, each in its own process; `save(results)` after each (a late failure keeps
     the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -267,7 +273,7 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
         child = Path(tmp) / "child.json"  # token lists: too long for a command line
         store = f"{tmp}/store"
         child.write_text(json.dumps(dict(model=model, engine=engine, load=load,
-                                         connector=connector_extra(arch, store, markers),
+                                         connector=connector_extra(arch, store, markers, cpu_bytes),
                                          profile_dir=profile_dir and str(profile_dir))))
         results = []
         for phase in phases:

@@ -5,7 +5,8 @@ offloading worker does not run on.
 Used on both sides: the scheduler asks it for the manager (CPU tier + disk
 tier, see `scheduler/`), each worker for the KV copier (see `worker/`).
 Everything else is vLLM's: lookups keyed by block hash, promotion from disk
-through the CPU tier, LRU/ARC on the CPU tier.
+through the CPU tier, LRU/ARC on the CPU tier; the manager only loses the
+stores of blocks the disk tier already holds (scheduler/skip_known_blocks.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ class MiniPICOffloadingSpec(TieringOffloadingSpec):
         super().__init__(*args)
         if compat.blocks_per_chunk(self) != 1:
             raise ConnectorConfigError("MiniPICConnector stores one block per chunk")
+        self._minipic_manager: Any = None
+
+    def get_manager(self) -> Any:
+        if self._minipic_manager is None:
+            from minipic.connector.scheduler.disk_tier import MiniPICDiskTier
+            from minipic.connector.scheduler.skip_known_blocks import SkipKnownBlocks
+
+            manager = super().get_manager()
+            disk = [t for t in getattr(manager, "secondary_tiers", ())
+                    if isinstance(t, MiniPICDiskTier)]
+            self._minipic_manager = SkipKnownBlocks(manager, disk[0].known_blocks) if disk \
+                else manager
+        return self._minipic_manager
 
     def get_worker(self, kv_caches: Any) -> Any:
         if self._worker is None:

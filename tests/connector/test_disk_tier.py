@@ -62,10 +62,10 @@ class Harness:
             time.sleep(0.01)
         raise TimeoutError
 
-    def lookup(self, k) -> LookupResult:
+    def lookup(self, k, ctx=CTX) -> LookupResult:
         deadline = time.monotonic() + 10
         while True:
-            result = self.tier.lookup(k, CTX)
+            result = self.tier.lookup(k, ctx)
             if result is not LookupResult.RETRY or time.monotonic() > deadline:
                 return result
             self.tier.on_schedule_end(None)
@@ -106,6 +106,7 @@ def test_store_then_load(harness, tmp_path):
 def test_bad_file_is_never_loaded_and_becomes_a_miss(harness, damage):
     harness.rows[0] = 7
     assert harness.run(harness.tier.submit_store, [key(1)], [0])
+    assert key(1) in harness.tier.known_blocks  # GPU hits on it are not copied back
     path = harness.tier.path_of(key(1))
     data = bytearray(open(path, "rb").read())
     if damage == "truncate":
@@ -119,6 +120,7 @@ def test_bad_file_is_never_loaded_and_becomes_a_miss(harness, damage):
     assert not harness.run(harness.tier.submit_load, [key(1)], [4])  # ...but fails to load
     assert harness.lookup(key(1)) is LookupResult.MISS  # so it is recomputed, not retried
     assert not os.path.exists(path)  # and the bad file is gone
+    assert key(1) not in harness.tier.known_blocks  # so its recomputation is stored again
     harness.rows[0] = 8  # recomputed block is written again and trusted again
     assert harness.run(harness.tier.submit_store, [key(1)], [0])
     assert harness.lookup(key(1)) is LookupResult.HIT
@@ -179,6 +181,29 @@ def test_disk_limit_evicts_least_recently_used(tmp_path):
         time.sleep(0.05)
     assert os.path.exists(h.tier.path_of(key(5))) and not os.path.exists(h.tier.path_of(key(0)))
     h.tier.shutdown()
+
+
+def test_known_blocks_follow_what_lookups_find(tmp_path):
+    from minipic.connector.scheduler.skip_known_blocks import KnownBlocks
+
+    writer, replica = Harness(tmp_path / "store"), Harness(tmp_path / "store")
+    for h in (writer, replica):
+        h.tier.open(FIELDS)
+    assert writer.run(writer.tier.submit_store, [key(1)], [0])
+    assert key(1) not in replica.tier.known_blocks
+    assert replica.lookup(key(1)) is LookupResult.HIT
+    assert key(1) in replica.tier.known_blocks  # written by another replica, found on disk
+    replica.tier.on_request_finished(CTX)  # vLLM forgets a lookup with its last request
+    os.unlink(writer.tier.path_of(key(1)))  # e.g. evicted by the writer
+    assert replica.lookup(key(1), ReqContext(req_id="later")) is LookupResult.MISS
+    assert key(1) not in replica.tier.known_blocks
+    for h in (writer, replica):
+        h.tier.shutdown()
+
+    known = KnownBlocks(capacity=2)
+    known.add([key(1), key(2)])
+    known.add([key(1), key(3)])  # key(1) used again: key(2) is the oldest
+    assert (key(1) in known, key(2) in known, key(3) in known) == (True, False, True)
 
 
 def test_prefault_maps_the_cpu_tier_without_changing_it():

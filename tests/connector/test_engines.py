@@ -234,6 +234,25 @@ def test_a_burst_the_cpu_tier_holds_is_persisted_whole(world):
     assert store_stats(big).blocks == blocks
 
 
+def test_gpu_hits_on_stored_spans_are_not_copied_back(world):
+    """Spans age out of a small CPU tier but stay on the GPU and on disk: the finals' GPU hits
+    must not copy them to the CPU tier again (stock offloading would, and the disk tier would
+    then find every file present: duplicate_blocks counts those)."""
+    tmp, store = world["tmp"], world["tmp"] / "store-no-copy-back"
+    rng = random.Random(2)
+    churn = [[rng.randrange(10, 300) for _ in range(2 * BS)] for _ in range(12)]  # no markers
+    results = run_engine(tmp, "no-copy-back", world["model"], store, [
+        gen("spans", P["spans"], max_tokens=1), {"op": "sleep", "seconds": 1},
+        *[gen(f"churn{i}", churn[i:i + 4], max_tokens=1) for i in range(0, 12, 4)],
+        gen("finals", FINALS), {"op": "sleep", "seconds": 1}],
+        cpu_bytes=16 * 32 << 10)  # 16 blocks of this model: the churn evicts the spans
+    assert [r["cached"] for r in results["finals"]] == FULL_HITS
+    assert [r["tokens"] for r in results["finals"]] == [r["tokens"] for r in world["a"]["finals"]]
+    ns = store_stats(store)
+    assert ns.blocks >= sum(len(s) // BS for s in P["spans"]) + 24
+    assert ns.counters["duplicate_blocks"] == 0
+
+
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})

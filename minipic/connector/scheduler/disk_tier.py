@@ -14,7 +14,9 @@ for I/O) and adds what the stock FS tier lacks:
     whole tier) off instead of failing the engine;
   * a size limit with LRU eviction, and counters for `minipic store stats`;
   * loads in reader processes of their own (`reader_processes.py`), so they do
-    not wait for the GIL while the scheduler busy-polls; threads as a fallback.
+    not wait for the GIL while the scheduler busy-polls; threads as a fallback;
+  * `known_blocks`: the keys known to have a file, so that GPU hits are not
+    copied back to the CPU tier (`skip_known_blocks.py`).
 
 Everything here runs on the scheduler thread except the task closures, which
 run on pool threads and only touch the CPU-tier buffer and the files (or, for
@@ -50,6 +52,7 @@ from minipic.connector import compat
 from minipic.connector.scheduler.prefault import buffer_address, prefault
 from minipic.connector.scheduler.reader_processes import (
     OK, REJECTED, FAILED, ReaderProcesses, read_chunk, region_of)
+from minipic.connector.scheduler.skip_known_blocks import KnownBlocks
 from minipic.connector.scheduler.span_heads import SpanHeads
 from minipic.connector.store import block_file, eviction
 from minipic.connector.store.namespace import StoreNamespace, block_path, open_namespace
@@ -78,7 +81,10 @@ class _ExistsLookup(AsyncLookupManager):
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return [os.path.exists(self._tier.path_of(k)) for k in keys]
+        found = [os.path.exists(self._tier.path_of(k)) for k in keys]
+        self._tier.known_blocks.add(k for k, f in zip(keys, found) if f)
+        self._tier.known_blocks.discard(k for k, f in zip(keys, found) if not f)
+        return found
 
 
 class MiniPICDiskTier(SecondaryTierManager):
@@ -103,6 +109,7 @@ class MiniPICDiskTier(SecondaryTierManager):
         self.counters = ProcessCounters(None)
 
         self._bad_keys: set[OffloadKey] = set()  # failed loads: miss until rewritten
+        self.known_blocks = KnownBlocks()
         self._rejects: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
         self._write_errors: queue.SimpleQueue[OSError] = queue.SimpleQueue()
         self._instant_results: list[JobResult] = []
@@ -297,6 +304,8 @@ class MiniPICDiskTier(SecondaryTierManager):
             results.append(JobResult(job_id=job_id, success=success))
             if job is None:
                 continue
+            if success:
+                self.known_blocks.add(job.keys)
             if not job.is_store:
                 loaded |= success
                 # Files to CPU tier, first submit to last block: how fast the store reads.
@@ -318,9 +327,11 @@ class MiniPICDiskTier(SecondaryTierManager):
     def _drain_rejects(self) -> None:
         while True:
             try:
-                self._bad_keys.add(self._rejects.get_nowait())
+                key = self._rejects.get_nowait()
             except queue.Empty:
                 return
+            self._bad_keys.add(key)
+            self.known_blocks.discard([key])
 
     def _drain_write_errors(self) -> None:
         while True:
