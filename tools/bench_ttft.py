@@ -27,7 +27,9 @@ disk-phase prompt loads all its documents from the store (an earlier version reu
 and after the first prompt the disk-warm phase measured GPU hits). The gpu-hit phase prefills
 and keeps sum(--docs) x --repeats documents, plus twice max(--docs) (warm-up and profiled).
 After each disk phase the store's load counters (files -> CPU tier per request, see
-`minipic store stats`) are added to its result. All phases run in one invocation.
+`minipic store stats`) are added to its result. All phases run in one invocation. `--cpu-gb`
+sizes the connector's CPU tier (8 GiB on the 8B model by default): a prompt's loads pass through
+it, so 40 documents of 1000 tokens (5 GiB) want more.
 `measure()` is the same run as a function (tools/bench_rag.py uses it for Figure 2).
 """
 
