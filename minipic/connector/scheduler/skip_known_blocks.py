@@ -17,44 +17,20 @@ loads from its file (page cache or device) instead of the CPU tier.
 
 from __future__ import annotations
 
-import collections
-import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey, PrepareStoreOutput, ReqContext
 
-# Forgetting a key only costs one redundant store; 256k keys (a few tens of MB)
-# cover 512 GiB of 2 MiB blocks.
-DEFAULT_CAPACITY = 1 << 18
+from minipic.connector.scheduler.bounded_keys import BoundedKeys
 
 
-class KnownBlocks:
-    """A bounded, thread-safe set of keys with a file in the store (oldest forgotten first)."""
+class KnownBlocks(BoundedKeys):
+    """Keys with a file in the store. Forgetting one only costs one redundant store;
+    the default 256k keys (a few tens of MB) cover 512 GiB of 2 MiB blocks."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY):
-        self._keys: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
-        self._capacity = capacity
-        self._lock = threading.Lock()
-
-    def add(self, keys: Iterable[OffloadKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys[key] = None
-                self._keys.move_to_end(key)
-            while len(self._keys) > self._capacity:
-                self._keys.popitem(last=False)
-
-    def discard(self, keys: Iterable[OffloadKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys.pop(key, None)
-
-    def __contains__(self, key: OffloadKey) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
+    def __init__(self, capacity: int = 1 << 18):
+        super().__init__(capacity)
 
 
 class SkipKnownBlocks:

@@ -8,30 +8,16 @@ missing flag only makes `minipic store stats` undercount spans).
 
 from __future__ import annotations
 
-import collections
-import threading
 from typing import Any, Iterable, Sequence
 
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
 
+from minipic.connector.scheduler.bounded_keys import BoundedKeys
 
-class SpanHeads:
+
+class SpanHeads(BoundedKeys):
     def __init__(self, capacity: int = 1 << 20):
-        self._keys: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
-        self._capacity = capacity
-        self._lock = threading.Lock()  # read from I/O threads
-
-    def add(self, keys: Iterable[OffloadKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys[key] = None
-                self._keys.move_to_end(key)
-            while len(self._keys) > self._capacity:
-                self._keys.popitem(last=False)
-
-    def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._keys
+        super().__init__(capacity)
 
 
 def span_head_keys(token_ids: Sequence[int], block_hashes: Sequence[Any], block_size: int,
