@@ -52,7 +52,7 @@ class MiniPICOffloadingSpec(TieringOffloadingSpec):
             manager = super().get_manager()
             disk = [t for t in getattr(manager, "secondary_tiers", ())
                     if isinstance(t, MiniPICDiskTier)]
-            self._minipic_manager = SkipKnownBlocks(manager, disk[0].known_blocks) if disk \
+            self._minipic_manager = SkipKnownBlocks(manager, disk[0].holds) if disk \
                 else manager
         return self._minipic_manager
 

@@ -121,8 +121,11 @@ def test_bad_file_is_never_loaded_and_becomes_a_miss(harness, damage):
     assert harness.lookup(key(1)) is LookupResult.MISS  # so it is recomputed, not retried
     assert not os.path.exists(path)  # and the bad file is gone
     assert key(1) not in harness.tier.known_blocks  # so its recomputation is stored again
+    harness.tier.known_blocks.add([key(1)])  # a lookup that raced the failed load
+    assert not harness.tier.holds(key(1))  # the reject still wins until the block is rewritten
     harness.rows[0] = 8  # recomputed block is written again and trusted again
     assert harness.run(harness.tier.submit_store, [key(1)], [0])
+    assert harness.tier.holds(key(1))
     assert harness.lookup(key(1)) is LookupResult.HIT
     assert harness.run(harness.tier.submit_load, [key(1)], [4])
     assert (harness.rows[4] == 8).all()
@@ -227,6 +230,26 @@ def test_a_dead_reader_fails_its_load_and_threads_take_over(tmp_path):
     assert h.tier._readers.broken
     assert h.run(h.tier.submit_load, [key(2)], [6])  # on the tier's own threads now
     assert (h.rows[6] == 4).all()
+    h.tier.shutdown()
+
+
+def test_a_reader_interrupted_mid_chunk_is_never_reused(tmp_path):
+    """Its reply may still arrive: no later chunk may read it as its own."""
+    h = Harness(tmp_path / "store", shared_file=tmp_path / "cpu-tier", n_read_processes=1)
+    h.tier.open(FIELDS)
+    h.rows[0] = 3
+    assert h.run(h.tier.submit_store, [key(1)], [0])
+    readers = h.tier._readers
+    [(_, conn)] = readers._processes
+    real_recv = conn.recv
+    conn.recv = lambda: (_ for _ in ()).throw(RuntimeError("interrupted"))
+    request = [(h.tier.path_of(key(1)), h.tier._namespace.digest, key(1), 5)]
+    with pytest.raises(RuntimeError):
+        readers.read(request)
+    conn.recv = real_recv
+    assert readers.broken
+    with pytest.raises(OSError):  # closed: fails at once, never hands over the stale reply
+        readers.read(request)
     h.tier.shutdown()
 
 

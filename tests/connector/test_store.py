@@ -39,6 +39,30 @@ def test_roundtrip(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("how", ["intact", "extended"])
+def test_short_reads_are_continued_not_taken_for_truncation(tmp_path, monkeypatch, how):
+    """readv may return early (FUSE, network file systems): a good file must still load,
+    and a bad one must still be rejected."""
+    path = str(tmp_path / "a.kv")
+    write_block(path, NS.digest, KEY, payload())
+    if how == "extended":
+        _damage(path, how)
+    real_readv = os.readv
+
+    def short_readv(fd, buffers):  # at most 1000 bytes per call
+        first = memoryview(next(b for b in buffers if len(b))).cast("B")
+        return real_readv(fd, [first[:1000]])
+
+    monkeypatch.setattr(block_file.os, "readv", short_readv)
+    dest = bytearray(4096)
+    if how == "intact":
+        read_block_into(path, NS.digest, KEY, memoryview(dest))
+        assert bytes(dest) == payload()
+    else:
+        with pytest.raises(BlockRejected, match="longer"):
+            read_block_into(path, NS.digest, KEY, memoryview(dest))
+
+
 def _damage(path: str, how: str) -> None:
     data = bytearray(Path(path).read_bytes())
     if how == "truncated":

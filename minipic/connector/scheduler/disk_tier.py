@@ -189,6 +189,11 @@ class MiniPICDiskTier(SecondaryTierManager):
         """Bytes of one block (one CPU-tier row, one file's payload)."""
         return self._row_bytes
 
+    def holds(self, key: OffloadKey) -> bool:
+        """Whether the store is known to have a good file for `key` (scheduler thread).
+        `_bad_keys` wins: a lookup that raced a failed load may have re-added the key."""
+        return key in self.known_blocks and key not in self._bad_keys
+
     def path_of(self, key: OffloadKey) -> str:
         assert self._ns_dir is not None
         return block_path(self._ns_dir, get_offload_block_hash(key), get_offload_group_idx(key))

@@ -119,16 +119,23 @@ class ReaderProcesses:
         package_root = str(Path(__file__).resolve().parents[3])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-        for _ in range(count):
-            ours, theirs = socket.socketpair()
-            with ours, theirs:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", __name__, str(theirs.fileno()), region.path,
-                     str(region.offset), str(region.length), str(row_bytes)],
-                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
-                conn = Connection(os.dup(ours.fileno()))
-            self._processes.append((process, conn))
-            self._idle.put(conn)
+        try:
+            for _ in range(count):
+                self._start_one(region, row_bytes, env)
+        except BaseException:
+            self.close()  # the readers that did start
+            raise
+
+    def _start_one(self, region: MappedRegion, row_bytes: int, env: dict) -> None:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno()), region.path,
+                 str(region.offset), str(region.length), str(row_bytes)],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+            conn = Connection(os.dup(ours.fileno()))
+        self._processes.append((process, conn))
+        self._idle.put(conn)
 
     @property
     def count(self) -> int:
@@ -141,8 +148,10 @@ class ReaderProcesses:
         try:
             conn.send(requests)
             return conn.recv()
-        except (OSError, EOFError):
+        except BaseException as e:
             self.broken = True
+            if not isinstance(e, (OSError, EOFError)):
+                conn.close()  # its reply may still come: no later chunk may take it for its own
             raise
         finally:
             self._idle.put(conn)  # a dead one fails its next user at once instead of hanging it

@@ -17,7 +17,7 @@ loads from its file (page cache or device) instead of the CPU tier.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey, PrepareStoreOutput, ReqContext
@@ -34,20 +34,20 @@ class KnownBlocks(BoundedKeys):
 
 
 class SkipKnownBlocks:
-    """vLLM's offloading manager, except that stores skip blocks in `known`.
+    """vLLM's offloading manager, except that stores skip the blocks `on_disk` names.
 
     Everything but `prepare_store` goes to the wrapped manager unchanged. An
     empty `keys_to_store` is what vLLM's scheduler (0.25.1, 0.32.0) reads as
     "nothing to store for this request"; it then advances past these blocks.
     """
 
-    def __init__(self, manager: Any, known: KnownBlocks):
+    def __init__(self, manager: Any, on_disk: Callable[[OffloadKey], bool]):
         self._manager = manager
-        self._known = known
+        self._on_disk = on_disk
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
-        new_keys = [k for k in keys if k not in self._known]
+        new_keys = [k for k in keys if not self._on_disk(k)]
         if not new_keys:
             return PrepareStoreOutput(keys_to_store=[], store_spec=None, evicted_keys=[])
         return self._manager.prepare_store(new_keys, req_context)

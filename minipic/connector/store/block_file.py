@@ -125,7 +125,10 @@ def read_block_into(path: str, namespace: bytes, key: bytes, dest: memoryview) -
 
 def _read_verified(fd: int, namespace: bytes, key: bytes, dest: memoryview) -> None:
     header, beyond = bytearray(HEADER_LEN), bytearray(1)
-    got, expected = os.readv(fd, [header, dest, beyond]), HEADER_LEN + len(dest)
+    buffers, expected = [header, dest, beyond], HEADER_LEN + len(dest)
+    got = os.readv(fd, buffers)
+    if got < expected and os.fstat(fd).st_size > got:
+        got = _read_rest(fd, buffers, got)  # a short read (FUSE, network file systems)
     if got > expected:
         raise BlockRejected(f"file longer than the {expected} bytes expected")
     if got < expected:
@@ -139,6 +142,21 @@ def _read_verified(fd: int, namespace: bytes, key: bytes, dest: memoryview) -> N
         raise BlockRejected("payload length mismatch")
     if payload_digest(dest) != fields["digest"]:
         raise BlockRejected("payload checksum mismatch")
+
+
+def _read_rest(fd: int, buffers: list, done: int) -> int:
+    """Continue a readv that returned early, until the buffers are full or the file ends."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while True:
+        rest, skip = [], done
+        for view in views:
+            rest.append(view[min(skip, len(view)):])
+            skip = max(0, skip - len(view))
+        rest = [view for view in rest if len(view)]
+        got = os.readv(fd, rest) if rest else 0
+        if got == 0:
+            return done
+        done += got
 
 
 def read_header(path: str) -> dict:
