@@ -722,7 +722,8 @@ def parse_args() -> argparse.Namespace:
 
     f2 = commands.add_parser("figure2", parents=[common], help="TTFT and preload times")
     f2.add_argument("--parts", default="preload,ttft")
-    f2.add_argument("--disk-phases", type=lambda t: t.split(","), default=["warm:4"],
+    f2.add_argument("--disk-phases", type=bench_ttft.disk_phase_list,
+                    default=bench_ttft.DEFAULT_DISK_PHASES,
                     help="bench_ttft.py's disk phases for the TTFT panel")
     f2.add_argument("--doc-counts", type=bench_ttft.int_list, default=[1, 2, 5, 10, 20, 30, 40])
     f2.add_argument("--doc-tokens", type=int, default=1000)

@@ -142,15 +142,27 @@ class Phase:
     def disk(cls, spec: str, index: int = 0) -> "Phase":
         """`warm:4`, `cold:16`, `warm:16:0` (see the module docstring). Each disk phase has
         its own questions, so none hits a question block an earlier one stored."""
-        kind, threads, *processes = spec.split(":")
-        if kind not in ("warm", "cold") or not all(x.isdigit() for x in [threads, *processes]) \
-                or len(processes) > 1:
+        kind, *numbers = spec.split(":")
+        if kind not in ("warm", "cold") or len(numbers) not in (1, 2) \
+                or not all(x.isdigit() for x in numbers):
             raise argparse.ArgumentTypeError(
                 f"bad disk phase {spec!r}: warm|cold:THREADS[:PROCESSES]")
+        threads, *processes = numbers
         name = f"disk-{kind}-t{threads}" + "".join(f"-p{p}" for p in processes)
         return cls(name=name, prompts=f"disk-{index}", read_threads=int(threads),
                    read_processes=int(processes[0]) if processes else None,
                    cold=kind == "cold")
+
+
+DEFAULT_DISK_PHASES = ["warm:4"]
+
+
+def disk_phase_list(text: str) -> list[str]:
+    """`warm:4,cold:16`, checked while parsing: a typo fails now, not after the first phases."""
+    specs = text.split(",")
+    for spec in specs:
+        Phase.disk(spec)
+    return specs
 
 
 def phases_of(disk_specs: list[str]) -> list[Phase]:
@@ -234,7 +246,7 @@ def main() -> None:
                         help="also run one untimed prompt per phase (fresh documents, the "
                              "largest count) under vLLM's torch profiler; traces go here")
     parser.add_argument("--cpu-gb", type=float, help="the connector's CPU tier (default 8 on 8B)")
-    parser.add_argument("--disk-phases", type=lambda t: t.split(","), default=["warm:4"],
+    parser.add_argument("--disk-phases", type=disk_phase_list, default=DEFAULT_DISK_PHASES,
                         help="disk phases, e.g. warm:4,warm:16,cold:16 (module docstring)")
     parser.add_argument("--phase", type=json.loads, help=argparse.SUPPRESS)  # child entry
     parser.add_argument("--child-args", type=Path, help=argparse.SUPPRESS)
@@ -243,8 +255,6 @@ def main() -> None:
         child = json.loads(args.child_args.read_text())
         print("RESULT " + json.dumps(run_phase(args.phase, **child)), flush=True)
         return
-    for spec in args.disk_phases:
-        Phase.disk(spec)  # a typo fails now, not after the first phases
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,
                       disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb))

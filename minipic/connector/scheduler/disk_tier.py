@@ -273,7 +273,7 @@ class MiniPICDiskTier(SecondaryTierManager):
         def load() -> None:
             try:
                 results = read(chunk)
-            except (OSError, EOFError) as e:  # a reader process died: recompute these
+            except Exception as e:  # a reader process died or was cut off: recompute these
                 results = [(FAILED, str(e))] * len(chunk)
             finally:
                 job.last_task_done = time.monotonic()
