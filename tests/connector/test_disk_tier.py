@@ -253,6 +253,52 @@ def test_a_reader_interrupted_mid_chunk_is_never_reused(tmp_path):
     h.tier.shutdown()
 
 
+def test_a_stuck_reader_is_killed_and_its_blocks_recomputed(tmp_path):
+    """A reader that never answers (here: stopped) must not hang the load forever."""
+    import signal
+
+    h = Harness(tmp_path / "store", shared_file=tmp_path / "cpu-tier", n_read_processes=1)
+    h.tier.open(FIELDS)
+    h.rows[0], h.rows[1] = 3, 4
+    assert h.run(h.tier.submit_store, [key(1), key(2)], [0, 1])
+    readers = h.tier._readers
+    readers._reply_timeout_s = 0.5
+    [(process, _)] = readers._processes
+    process.send_signal(signal.SIGSTOP)
+    assert not h.run(h.tier.submit_load, [key(1)], [5])  # recomputed, never half-loaded
+    assert readers.broken
+    assert process.wait(timeout=5) == -signal.SIGKILL
+    assert h.run(h.tier.submit_load, [key(2)], [6])  # on the tier's own threads now
+    assert (h.rows[6] == 4).all()
+    h.tier.shutdown()
+
+
+def test_readers_map_only_the_rows_they_write(tmp_path):
+    """Each reader used to map the whole CPU tier before its first chunk: seconds and page
+    tables per reader for a tier of tens of GiB."""
+    from minipic.connector.scheduler.reader_processes import OK, MappedRegion, ReaderProcesses
+
+    row_bytes, rows = 1 << 20, 512  # a 512 MiB tier, sparse until written
+    tier_file = tmp_path / "cpu-tier"
+    with open(tier_file, "wb") as f:
+        f.truncate(row_bytes * rows)
+    payload = np.full(row_bytes, 7, dtype=np.uint8)
+    path = str(tmp_path / "block")
+    block_file.write_block(path, b"n" * 16, b"k", memoryview(payload))
+    readers = ReaderProcesses(MappedRegion(str(tier_file), 0, row_bytes * rows), row_bytes, 1)
+    try:
+        assert readers.read([(path, b"n" * 16, b"k", 3)]) == [(OK, None)]
+        [(process, _)] = readers._processes
+        rss_kib = int(next(line.split()[1] for line in open(f"/proc/{process.pid}/status")
+                           if line.startswith("VmRSS:")))
+        assert rss_kib < 200 * 1024, f"the reader holds {rss_kib} KiB"
+    finally:
+        readers.close()
+    with open(tier_file, "rb") as f:
+        f.seek(3 * row_bytes)
+        assert f.read(row_bytes) == payload.tobytes()
+
+
 def test_span_head_keys():
     tokens = [3] + [9] * 31 + [9] * 32 + [3] + [9] * 31
     keys = span_head_keys(tokens, [b"a", b"b", b"c"], 32, ssep_token_id=3)

@@ -11,8 +11,12 @@ their own GILs. The engine itself loaded at 6-7.5 GiB/s with threads.
 Each reader maps the CPU tier's shared-memory file itself and writes the
 verified blocks straight into their rows; the engine core only sends paths and
 row numbers and gets one short result per block back (one message per chunk).
-A reader that dies makes its chunk fail (those blocks are recomputed) and the
-tier falls back to reading on its threads.
+A reader maps only the rows it writes (one madvise per row, the first time):
+mapping the whole tier in every reader cost each of them seconds and page
+tables for all of it before its first chunk. A reader that dies, or gives no
+answer within `reply_timeout_s` (a stalled network mount), is killed; its chunk
+fails (those blocks are recomputed) and the tier falls back to reading on its
+threads.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ from minipic.connector.store import block_file, eviction
 
 # What a reader reports per block (see `read_chunk`).
 OK, MISSING, REJECTED, FAILED = "ok", "missing", "rejected", "failed"
+
+# Longest wait for a reader's answer to one chunk. Generous: a chunk of a
+# 40-document prompt is ~300 MiB, and cold files on a busy disk read at ~1 GiB/s
+# shared by all readers. Past it the reader is taken for stuck, not slow.
+REPLY_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,7 @@ def _serve(conn, region: MappedRegion, row_bytes: int) -> None:
     finally:
         os.close(fd)
     view = memoryview(mapping)[region.offset - start:]
-    prefault(view)
+    mapped_rows = bytearray(region.length // row_bytes)
     while True:
         try:
             requests = conn.recv()
@@ -99,6 +108,10 @@ def _serve(conn, region: MappedRegion, row_bytes: int) -> None:
             return
         if requests is None:
             return
+        for *_, row in requests:
+            if not mapped_rows[row]:  # a read into unmapped pages faults page by page
+                prefault(view[row * row_bytes:(row + 1) * row_bytes])
+                mapped_rows[row] = 1
         conn.send(read_chunk(view, row_bytes, requests))
 
 
@@ -110,8 +123,10 @@ class ReaderProcesses:
     hundreds of MB each), and the engine core has threads, so it must not fork.
     """
 
-    def __init__(self, region: MappedRegion, row_bytes: int, count: int):
+    def __init__(self, region: MappedRegion, row_bytes: int, count: int,
+                 reply_timeout_s: float = REPLY_TIMEOUT_S):
         self._processes: list[tuple[subprocess.Popen, Connection]] = []
+        self._reply_timeout_s = reply_timeout_s
         self._idle: queue.SimpleQueue[Connection] = queue.SimpleQueue()
         self.broken = False
         # The readers import minipic from where this process did (a checkout on sys.path
@@ -142,19 +157,30 @@ class ReaderProcesses:
         return len(self._processes)
 
     def read(self, requests: list[tuple[str, bytes, bytes, int]]) -> list[tuple[str, object]]:
-        """Blocks until an idle reader has read the chunk. Raises OSError/EOFError if the
-        reader died (`broken` then tells the tier to stop sending chunks to readers)."""
+        """Blocks until an idle reader has read the chunk. Raises if the reader died, gave
+        no answer in time or was interrupted (`broken` then tells the tier to stop sending
+        chunks to readers)."""
         conn = self._idle.get()
         try:
             conn.send(requests)
+            if not conn.poll(self._reply_timeout_s):
+                raise TimeoutError(f"a reader process gave no answer in "
+                                   f"{self._reply_timeout_s:.0f} s")
             return conn.recv()
-        except BaseException as e:
+        except BaseException:
             self.broken = True
-            if not isinstance(e, (OSError, EOFError)):
-                conn.close()  # its reply may still come: no later chunk may take it for its own
+            self._retire(conn)
             raise
         finally:
-            self._idle.put(conn)  # a dead one fails its next user at once instead of hanging it
+            self._idle.put(conn)  # a retired one fails its next user at once instead of hanging it
+
+    def _retire(self, conn: Connection) -> None:
+        """Never use this reader again: its late reply must not be read as a later chunk's,
+        and a stuck one must not hold its rows or its file handles."""
+        conn.close()
+        for process, c in self._processes:
+            if c is conn and process.poll() is None:
+                process.kill()
 
     def close(self) -> None:
         for _, conn in self._processes:
