@@ -43,6 +43,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     get_offload_block_hash,
     get_offload_group_idx,
+    make_offload_key,
 )
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
@@ -55,7 +56,8 @@ from minipic.connector.scheduler.reader_processes import (
 from minipic.connector.scheduler.skip_known_blocks import KnownBlocks
 from minipic.connector.scheduler.span_heads import SpanHeads
 from minipic.connector.store import block_file, eviction
-from minipic.connector.store.namespace import StoreNamespace, block_path, open_namespace
+from minipic.connector.store.namespace import (
+    StoreNamespace, block_key_of_path, block_path, open_namespace)
 from minipic.connector.store.stats import ProcessCounters
 
 logger = logging.getLogger("vllm.minipic.connector")  # shares vLLM's handlers
@@ -374,6 +376,7 @@ class MiniPICDiskTier(SecondaryTierManager):
     def _evict(self) -> None:
         try:
             result = eviction.evict_lru(self.root_dir, self.max_bytes)
+            self._forget_removed(result.removed_paths)
             if result.removed_files:
                 self.counters.add(evicted_blocks=result.removed_files,
                                   evicted_bytes=result.removed_bytes)
@@ -383,6 +386,12 @@ class MiniPICDiskTier(SecondaryTierManager):
             logger.warning("minipic store: eviction failed: %s", e)
         finally:
             self._evicting.release()
+
+    def _forget_removed(self, paths: list[str]) -> None:
+        """Evicted files are no longer known: a GPU hit on them must be stored again."""
+        prefix = f"{self._ns_dir}{os.sep}"
+        keys = (block_key_of_path(p) for p in paths if p.startswith(prefix))
+        self.known_blocks.discard(make_offload_key(*k) for k in keys if k is not None)
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -74,6 +74,7 @@ class EvictionResult:
     removed_files: int = 0
     removed_bytes: int = 0
     remaining_bytes: int = 0
+    removed_paths: list[str] = dataclasses.field(default_factory=list)
 
 
 def evict_lru(root: str | os.PathLike, max_bytes: int,
@@ -102,6 +103,7 @@ def evict_lru(root: str | os.PathLike, max_bytes: int,
             else:
                 result.removed_files += 1
                 result.removed_bytes += block.size
+                result.removed_paths.append(block.path)
             result.remaining_bytes -= block.size
         return result
 

@@ -129,6 +129,18 @@ def block_path(ns_dir: Path, block_hash: bytes, group_idx: int) -> str:
     return f"{ns_dir}/blocks/{h[:2]}/{h[2:4]}/{h}_g{group_idx}{BLOCK_SUFFIX}"
 
 
+def block_key_of_path(path: str) -> tuple[bytes, int] | None:
+    """(block_hash, group_idx) of a `block_path` name; None for any other name."""
+    name = os.path.basename(path)
+    if not name.endswith(BLOCK_SUFFIX):
+        return None
+    digest, sep, group = name[:-len(BLOCK_SUFFIX)].rpartition("_g")
+    try:
+        return bytes.fromhex(digest), int(group)
+    except ValueError:
+        return None
+
+
 def list_namespaces(root: str | os.PathLike) -> list[tuple[Path, dict[str, Any] | None]]:
     root = Path(root)
     return [(d, _read_json(d / NAMESPACE_FILE))
