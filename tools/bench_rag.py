@@ -283,11 +283,15 @@ async def table1_child(spec: dict) -> dict:
     # Other documents for the warm-up, so that it leaves nothing the measured pass could hit.
     warm = workload_of(spec, run.repeat_rate, spec["warmup"], spec["seed"] + 10_000)
     args, attention = engine_args(spec, config, run.max_num_seqs)
+    if spec.get("profile_dir"):
+        args["profiler_config"] = step_profiler(spec["profile_dir"], run.name)
     backend = AsyncLLMBackend.start(**args)
     protocol = SpanProtocol.from_dict(spec["markers"])
     strategy = STRATEGIES[config.strategy]
     try:
         await strategy(backend, protocol, warm, run.max_num_seqs, spec["batch_size"])
+        if spec.get("profile_dir"):
+            await backend.engine.start_profile()  # records PROFILED_STEPS, then stops itself
         start = time.perf_counter()
         facts = await strategy(backend, protocol, load, run.max_num_seqs, spec["batch_size"])
         seconds = time.perf_counter() - start
@@ -297,7 +301,22 @@ async def table1_child(spec: dict) -> dict:
             "strategy": config.strategy, "attention": attention, "samples": spec["samples"],
             "measured_repeat_rate": load.repeat_rate, "unique_docs": load.unique_docs,
             "repeat_window": spec.get("repeat_window"), "seconds": seconds,
-            "samples_per_s": spec["samples"] / seconds, **facts}
+            "samples_per_s": spec["samples"] / seconds,
+            "profiled": bool(spec.get("profile_dir")), **facts}
+
+
+# Steps of the measured pass under the torch profiler with --profile-dir: a few steady-state
+# steps, after the first ones (which still fill the batch), so traces stay small.
+PROFILE_SKIP_STEPS, PROFILED_STEPS = 20, 5
+
+
+def step_profiler(profile_dir: str, run_name: str):
+    from vllm.config import ProfilerConfig
+
+    slug = "".join(c if c.isalnum() else "_" for c in run_name)
+    return ProfilerConfig(profiler="torch", torch_profiler_dir=str(Path(profile_dir) / slug),
+                          torch_profiler_with_stack=False, ignore_frontend=True,
+                          delay_iterations=PROFILE_SKIP_STEPS, max_iterations=PROFILED_STEPS)
 
 
 async def populate_child(spec: dict) -> dict:
@@ -549,6 +568,8 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
         where = f", run {run}" if run else ""
         window = rows[0].get("repeat_window")
         where += f", repeats from the {window} newest documents" if window else ""
+        if any(r.get("profiled") for r in rows):
+            where += f", {PROFILED_STEPS} steps of each under the torch profiler"
         lines += ["", f"### repeat rate {rate} (measured {rows[0]['measured_repeat_rate']:.3f})"
                       f"{where}, {rows[0]['samples']} samples",
                   "", "| # | configuration | strategy | max_num_seqs | attention | samples/s | "
@@ -718,6 +739,10 @@ def parse_args() -> argparse.Namespace:
                     help="vLLM's max_num_batched_tokens (default 16384; vLLM's own on tiny)")
     t1.add_argument("--store-dir", help="where config 6's store goes (default: a temp dir)")
     t1.add_argument("--disk-max-gb", type=float, default=40.0, help="config 6's store limit")
+    t1.add_argument("--profile-dir", type=Path,
+                    help="trace a few steady-state steps of each measured pass with the torch "
+                         "profiler (one folder per configuration; tools/trace_summary.py reads "
+                         "them); the rows are then marked as profiled")
     t1.set_defaults(func=table1)
 
     f2 = commands.add_parser("figure2", parents=[common], help="TTFT and preload times")
@@ -788,7 +813,9 @@ def main() -> None:
         base = dict(arch=args.arch, model=model, engine=engine, markers=markers, seed=args.seed,
                     samples=getattr(args, "samples", None), warmup=getattr(args, "warmup", None),
                     batch_size=getattr(args, "batch_size", None),
-                    repeat_window=getattr(args, "repeat_window", None))
+                    repeat_window=getattr(args, "repeat_window", None),
+                    profile_dir=str(args.profile_dir.resolve())
+                    if getattr(args, "profile_dir", None) else None)
         args.func(args, base, Path(tmp))
 
 

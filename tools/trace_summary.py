@@ -18,6 +18,13 @@ from pathlib import Path
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 
+# Kernel classes by name (first match wins): where a step's GPU time goes, in one table.
+KERNEL_CLASSES = [
+    ("attention", ("attention", "attn", "flash", "_reduce_segments")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("KV cache write", ("reshape_and_cache", "cache_kernel")),
+]
+
 
 def load_events(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
@@ -47,6 +54,23 @@ def top(events: list[dict], n: int) -> list[tuple[str, float, int]]:
     return sorted(((name, total[name], count[name]) for name in total), key=lambda r: -r[1])[:n]
 
 
+def kernel_class(event: dict) -> str:
+    if event.get("cat") != "kernel":
+        return "copy / memset"
+    name = event["name"].lower()
+    return next((cls for cls, parts in KERNEL_CLASSES if any(p in name for p in parts)), "other")
+
+
+def by_class(gpu: list[dict]) -> list[str]:
+    total: dict[str, float] = collections.defaultdict(float)
+    for e in gpu:
+        total[kernel_class(e)] += e["dur"]
+    whole = sum(total.values()) or 1.0
+    return ["| kernel class | total ms | share |", "| --- | --- | --- |"] + [
+        f"| {cls} | {ms / 1e3:.3f} | {ms / whole:.1%} |"
+        for cls, ms in sorted(total.items(), key=lambda kv: -kv[1])]
+
+
 def summarise(path: Path, n: int) -> str:
     events = load_events(path)
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
@@ -59,6 +83,8 @@ def summarise(path: Path, n: int) -> str:
         lines.append(f"GPU: {span / 1e3:.2f} ms from first to last GPU event, {busy / 1e3:.2f} ms "
                      f"busy ({len(gpu)} events); copies {busy_time(copies) / 1e3:.2f} ms busy "
                      f"({sum(e['dur'] for e in copies) / 1e3:.2f} ms summed, {len(copies)})")
+    if gpu:
+        lines += [""] + by_class(gpu)
     lines += ["", "| GPU kernel / copy | total ms | calls |", "| --- | --- | --- |"]
     lines += [f"| {name[:90]} | {dur / 1e3:.3f} | {calls} |" for name, dur, calls in top(gpu, n)]
     lines += ["", "| CPU op / annotation | total ms | calls |", "| --- | --- | --- |"]
