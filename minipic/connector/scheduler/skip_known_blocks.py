@@ -11,8 +11,9 @@ and the disk tier would then find the file present and write nothing.
 The disk tier records which keys it knows to be on disk in this process
 (written, loaded, or found by a lookup) and forgets a key whose lookup or load
 misses or whose file its own eviction removed, so a block removed by eviction
-or by another replica is stored again the next time it is computed or hit. The trade-off: a block that is only on disk
-loads from its file (page cache or device) instead of the CPU tier.
+or by another replica is stored again the next time it is computed or hit.
+The trade-off: a block that is only on disk loads from its file (page cache
+or device) instead of the CPU tier.
 """
 
 from __future__ import annotations

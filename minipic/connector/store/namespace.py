@@ -134,7 +134,7 @@ def block_key_of_path(path: str) -> tuple[bytes, int] | None:
     name = os.path.basename(path)
     if not name.endswith(BLOCK_SUFFIX):
         return None
-    digest, sep, group = name[:-len(BLOCK_SUFFIX)].rpartition("_g")
+    digest, _, group = name[:-len(BLOCK_SUFFIX)].rpartition("_g")
     try:
         return bytes.fromhex(digest), int(group)
     except ValueError:
