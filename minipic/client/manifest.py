@@ -121,13 +121,27 @@ class Manifest:
         return {r.span_key for r in self.records if r.status in statuses}
 
     def write(self, path: str | os.PathLike) -> None:
-        """Atomically: a reader (or a crash) never sees half a manifest."""
-        path = Path(path)
+        """Atomically and durably: a reader, a crash or a power cut never sees half a
+        manifest (the new file is on disk before it replaces the old one)."""
         schema = SCHEMA.with_metadata({_META_KEY: self.info.to_json().encode()})
         table = pa.Table.from_pylist([r.row() for r in self.records], schema=schema)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        tmp = _tmp_path(path)
+        try:
+            pq.write_table(table, tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    @staticmethod
+    def check_writable(path: str | os.PathLike) -> None:
+        """Raises OSError now if `write(path)` could not create its file: before a long
+        run, not after it."""
+        tmp = _tmp_path(path)
+        tmp.touch()
+        tmp.unlink()
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "Manifest":
@@ -137,7 +151,18 @@ class Manifest:
             raise ManifestError(f"cannot read manifest {path}: {e}") from e
         if not is_manifest_schema(table.schema):
             raise ManifestError(f"{path} is not a minipic manifest (no {_META_KEY!r} metadata)")
-        info = ManifestInfo.from_json(table.schema.metadata[_META_KEY])
+        missing = set(SCHEMA.names) - set(table.schema.names)
+        if missing:
+            raise ManifestError(f"{path} is a damaged manifest: no {sorted(missing)} columns")
+        try:
+            info = ManifestInfo.from_json(table.schema.metadata[_META_KEY])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON errors included
+            raise ManifestError(f"{path} is a damaged manifest: bad metadata ({e!r})") from e
         fields = [f.name for f in dataclasses.fields(SpanRecord)]
         records = [SpanRecord(**{k: row[k] for k in fields}) for row in table.to_pylist()]
         return cls(info, records)
+
+
+def _tmp_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")

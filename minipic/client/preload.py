@@ -159,7 +159,10 @@ def format_summary(report: PreloadReport) -> str:
         f"time       {report.seconds:.1f} s"
         + (f" ({report.tokens / report.seconds:,.0f} tokens/s)" if report.seconds > 0 else ""),
     ]
-    if report.manifest_path:
+    if report.manifest_error:
+        lines.append(f"manifest   NOT written to {report.manifest_path} ({report.manifest_error}); "
+                     "a re-run finds the stored spans and writes it")
+    elif report.manifest_path:
         lines.append(f"manifest   {report.manifest_path}")
     return "\n".join(lines)
 

@@ -10,7 +10,10 @@ The steps of `minipic-preload`, usable from Python with any backend:
    already stored (span_prefill.py), so a re-run redoes no work: a stored span
    costs one token; with `trust_manifest` it costs no request at all;
 4. write the manifest (manifest.py), also when interrupted: what was stored stays
-   stored in the engine, and the manifest says which spans got there.
+   stored in the engine, and the manifest says which spans got there. An
+   existing manifest for the same layout keeps the documents this run did not
+   read (a run over part of a corpus adds to it); one for another layout, or a
+   manifest that cannot be written, stops the run before any work.
 """
 
 from __future__ import annotations
@@ -45,14 +48,20 @@ class PreloadReport:
     ignored_files: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     manifest_path: str | None = None
+    manifest_error: str | None = None  # the manifest could not be written at the end
 
     @property
     def ok(self) -> bool:
-        """Nothing was skipped for a problem and nothing failed."""
-        return not self.problems and not self.failed_spans and not self.count(PENDING)
+        """Nothing was skipped for a problem, nothing failed, and the manifest was written."""
+        return (not self.problems and not self.failed_spans and not self.count(PENDING)
+                and not self.manifest_error)
 
     def count(self, status: str) -> int:
         return self.status_counts.get(status, 0)
+
+
+class NothingToPreload(ValueError):
+    """The corpus gave no document: a run must not replace a manifest with an empty one."""
 
 
 @dataclasses.dataclass
@@ -71,10 +80,16 @@ async def preload(corpus: str | os.PathLike, backend: CompletionBackend, *,
     started = time.monotonic()
     info = _manifest_info(backend, span_tokens)
     report = PreloadReport(manifest_path=None if manifest_path is None else str(manifest_path))
+    previous = None
+    if manifest_path is not None:
+        previous = _previous_manifest(manifest_path, info)
+        Manifest.check_writable(manifest_path)
     work = _spans_of_corpus(corpus, backend.get_tokenizer(), info, text_field, id_field, report)
+    if not work.records:
+        raise NothingToPreload(_nothing_read(corpus, report))
     outcomes: dict[str, SpanPrefill | str] = {}  # by span key; str: a status without a request
-    if trust_manifest and manifest_path is not None:
-        outcomes.update(_trusted_spans(manifest_path, info))
+    if trust_manifest and previous is not None:
+        outcomes.update({k: STORED for k in previous.keys_with_status(NEW, STORED, PREFILLED)})
         report.trusted_from_manifest = sum(1 for k in work.spans if k in outcomes)
     try:
         todo = {k: s for k, s in work.spans.items() if k not in outcomes}
@@ -83,8 +98,46 @@ async def preload(corpus: str | os.PathLike, backend: CompletionBackend, *,
         records = [_with_outcome(r, outcomes.get(r.span_key)) for r in work.records]
         _summarise(report, records, work, started)
         if manifest_path is not None:
-            Manifest(info, records).write(manifest_path)
+            _write_manifest(Manifest(info, records + _untouched(previous, records)),
+                            manifest_path, report)
     return report
+
+
+def _write_manifest(manifest: Manifest, path: Any, report: PreloadReport) -> None:
+    """A write that fails (e.g. the disk filled up during the run) is reported with the
+    run's summary; the spans are stored in the engine all the same, and the previous
+    manifest, if any, is left as it was."""
+    try:
+        manifest.write(path)
+    except OSError as e:
+        report.manifest_error = f"{type(e).__name__}: {e}"
+
+
+def _previous_manifest(manifest_path: Any, info: ManifestInfo) -> Manifest | None:
+    """The manifest a run adds to; one written for another layout is never overwritten."""
+    if not os.path.exists(manifest_path):
+        return None
+    previous = Manifest.read(manifest_path)
+    if previous.info != info:
+        raise ManifestError(f"{manifest_path} was written for {previous.info}, not {info}: "
+                            "give another --manifest, or remove that file")
+    return previous
+
+
+def _untouched(previous: Manifest | None, records: list[SpanRecord]) -> list[SpanRecord]:
+    """The previous manifest's documents that this run did not read."""
+    if previous is None:
+        return []
+    read = {r.doc_id for r in records}
+    return [r for r in previous.records if r.doc_id not in read]
+
+
+def _nothing_read(corpus: Any, report: PreloadReport) -> str:
+    problems = "; ".join(str(p) for p in report.problems[:3])
+    return (f"no document could be read from {corpus}"
+            + (f" ({len(report.problems)} problems: {problems})" if problems else "")
+            + (f" ({len(report.ignored_files)} files of other kinds ignored)"
+               if report.ignored_files else ""))
 
 
 def _manifest_info(backend: CompletionBackend, span_tokens: int) -> ManifestInfo:
@@ -122,17 +175,6 @@ def _add_document(work: _Work, doc: Document, tokenizer: Any, info: ManifestInfo
         key = span_key(span)
         work.spans.setdefault(key, span)
         work.records.append(SpanRecord(doc.doc_id, doc.source, index, len(spans), key, span))
-
-
-def _trusted_spans(manifest_path: Any, info: ManifestInfo) -> dict[str, str]:
-    """Spans an earlier run with the same layout saw reach the engine."""
-    if not os.path.exists(manifest_path):
-        return {}
-    previous = Manifest.read(manifest_path)
-    if previous.info != info:
-        raise ManifestError(f"{manifest_path} was written for {previous.info}, not {info}: "
-                            "drop --trust-manifest or use another --manifest")
-    return {key: STORED for key in previous.keys_with_status(NEW, STORED, PREFILLED)}
 
 
 async def _prefill_all(backend: CompletionBackend, info: ManifestInfo,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -48,3 +50,33 @@ def test_a_plain_parquet_file_is_not_a_manifest(tmp_path):
 def test_the_corpus_reader_skips_a_manifest_written_inside_the_corpus(tmp_path):
     Manifest(INFO, records()).write(tmp_path / "m.parquet")
     assert list(iter_corpus(tmp_path)) == [IgnoredFile("m.parquet")]
+
+
+@pytest.mark.parametrize("damage", ["metadata", "columns"])
+def test_a_damaged_manifest_is_a_manifest_error(tmp_path, damage):
+    path = tmp_path / "m.parquet"
+    Manifest(INFO, records()).write(path)
+    table = pq.read_table(path)
+    if damage == "metadata":  # JSON cut short
+        table = table.replace_schema_metadata({b"minipic": table.schema.metadata[b"minipic"][:20]})
+    else:
+        table = table.drop_columns(["source"])
+    pq.write_table(table, path)
+    with pytest.raises(ManifestError, match="damaged manifest"):
+        Manifest.read(path)
+
+
+def test_a_failed_write_leaves_the_old_manifest_and_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "m.parquet"
+    Manifest(INFO, records()).write(path)
+
+    def disk_full(table, where, **kwargs):  # the disk fills up halfway through the file
+        Path(where).write_bytes(b"PAR1")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", disk_full)
+    with pytest.raises(OSError):
+        Manifest(INFO, records()[:1]).write(path)
+    monkeypatch.undo()
+    assert Manifest.read(path).records == records()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.parquet"]

@@ -101,6 +101,58 @@ def test_an_interrupted_run_still_writes_its_manifest(tokenizer, tmp_path):
     assert NEW in statuses and PENDING in statuses
 
 
+@pytest.mark.parametrize("corpus", ["empty", "mistyped"])
+def test_a_run_that_reads_nothing_keeps_the_manifest(tokenizer, tmp_path, corpus):
+    from minipic.client.preloader import NothingToPreload
+
+    backend, manifest = FakeBackend(tokenizer=tokenizer, delay_s=0), tmp_path / "m.parquet"
+    run_preload(EXAMPLES, backend, manifest)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NothingToPreload, match="no document could be read"):
+        run_preload(tmp_path / corpus, backend, manifest)
+    assert sorted(Manifest.read(manifest).doc_ids()) == EXAMPLE_IDS
+
+
+def test_a_run_over_part_of_a_corpus_adds_to_the_manifest(tokenizer, tmp_path):
+    backend, manifest = FakeBackend(tokenizer=tokenizer, delay_s=0), tmp_path / "m.parquet"
+    run_preload(EXAMPLES, backend, manifest)
+    part = run_preload(EXAMPLES / "cities", backend, manifest)
+    assert part.ok and part.count(STORED) == part.spans  # the same spans, other document ids
+    assert sorted(Manifest.read(manifest).doc_ids()) == sorted(EXAMPLE_IDS + ["paris.md",
+                                                                             "rome.txt"])
+
+
+def test_a_manifest_of_another_layout_is_never_overwritten(tokenizer, tmp_path):
+    from minipic.client.manifest import ManifestError
+
+    backend, manifest = FakeBackend(tokenizer=tokenizer, delay_s=0), tmp_path / "m.parquet"
+    run_preload(EXAMPLES, backend, manifest, span_tokens=64)
+    sent = len(backend.done)
+    with pytest.raises(ManifestError, match="give another --manifest"):
+        run_preload(EXAMPLES, backend, manifest, span_tokens=128)
+    assert len(backend.done) == sent  # refused before any work
+    assert Manifest.read(manifest).info.span_tokens == 64
+
+
+def test_an_unwritable_manifest_fails_before_any_work(tokenizer, tmp_path):
+    backend = FakeBackend(tokenizer=tokenizer, delay_s=0)
+    with pytest.raises(OSError):
+        run_preload(EXAMPLES, backend, tmp_path / "no-such-dir" / "m.parquet")
+    assert not backend.done
+
+
+def test_a_manifest_that_cannot_be_written_at_the_end_is_reported(tokenizer, tmp_path,
+                                                                  monkeypatch):
+    def disk_full(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Manifest, "write", disk_full)
+    report = run_preload(EXAMPLES, FakeBackend(tokenizer=tokenizer, delay_s=0),
+                         tmp_path / "m.parquet")
+    assert not report.ok and report.count(NEW) == report.spans  # the work itself is kept
+    assert "NOT written" in format_summary(report) and "No space left" in format_summary(report)
+
+
 def test_rag_client_hits_what_preload_stored(tokenizer, tmp_path):
     backend = FakeBackend(tokenizer=tokenizer, delay_s=0)
     run_preload(EXAMPLES, backend, tmp_path / "m.parquet")
