@@ -11,7 +11,10 @@ In process, into a MiniPICConnector span store that servers then read:
         --connector-config '{"store_dir": "/data/spans"}'
 
 Re-running is cheap: a span already stored costs one token (or, with
---trust-manifest, no request at all). Exit status: 0 when every document was
+--trust-manifest, no request at all). The manifest (--manifest) lists every
+document's spans for the RAG client; a run over part of a corpus adds to it,
+and one written for other settings (model, block size, span size, markers) is
+never overwritten. Exit status: 0 when every document was
 read and every span prefilled, 1 when anything was skipped or failed (listed
 on stderr), 2 when it could not run (bad arguments, no engine or server).
 """
