@@ -14,9 +14,10 @@ Re-running is cheap: a span already stored costs one token (or, with
 --trust-manifest, no request at all). The manifest (--manifest) lists every
 document's spans for the RAG client; a run over part of a corpus adds to it,
 and one written for other settings (model, block size, span size, markers) is
-never overwritten. Exit status: 0 when every document was
-read and every span prefilled, 1 when anything was skipped or failed (listed
-on stderr), 2 when it could not run (bad arguments, no engine or server).
+never overwritten. Exit status: 0 when every document was read, every span
+prefilled and the manifest written, 1 when anything was skipped or failed
+(listed on stderr), 2 when it could not run (bad arguments, no engine or
+server, no document, a manifest that cannot be written or replaced).
 """
 
 from __future__ import annotations
