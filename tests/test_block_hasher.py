@@ -51,3 +51,15 @@ def test_pdep_depends_on_every_earlier_block():
     other_span = [SSEP] + list(range(170, 233))
     assert hashes(HEADER + SPAN + task)[-1] != hashes(HEADER + other_span + task)[-1]
     assert hashes(HEADER + SPAN + task)[-1] == hashes(HEADER + SPAN + task)[-1]
+
+
+def test_markers_in_a_streamed_prompt_chunk_count():
+    """A streamed-input session appends prompt tokens the way the scheduler does
+    (Scheduler._update_request_as_session): the new span must hash as a span."""
+    request = Request("r", list(HEADER), SamplingParams(max_tokens=1), None, block_hasher=HASHER)
+    request.prompt_token_ids.extend(SPAN)
+    request._all_token_ids.extend(SPAN)
+    request.update_block_hashes()
+    request.num_prompt_tokens = len(request.prompt_token_ids)
+    assert list(request.block_hashes) == hashes(HEADER + SPAN)
+    assert list(request.block_hashes)[1:] == hashes(SPAN)

@@ -98,6 +98,15 @@ class SpanBlockHasher:
         return self.hash_block_tokens(self.hash_fn, parent, tokens, extra_keys)
 
 
+def prompt_length(request: Any) -> int:
+    """The prompt's length as of now. In a streamed-input session vLLM extends
+    `prompt_token_ids`, hashes the new blocks and only then updates
+    `num_prompt_tokens` (Scheduler._update_request_as_session, 0.25.1 and 0.32.0):
+    the list, not the count, says where the prompt ends while they are hashed."""
+    prompt = request.prompt_token_ids
+    return len(prompt) if prompt is not None else request.num_prompt_tokens
+
+
 def make_request_block_hasher(protocol: SpanProtocol, hash_block_size: int,
                               hash_fn: Callable[[Any], bytes]) -> Callable[[Any], list]:
     """A drop-in for vLLM's `get_request_block_hasher(...)` result."""
@@ -115,7 +124,7 @@ def make_request_block_hasher(protocol: SpanProtocol, hash_block_size: int,
         while start + hash_block_size <= request.num_tokens:
             end = start + hash_block_size
             tokens = request.all_token_ids[start:end]
-            in_prompt = start < request.num_prompt_tokens
+            in_prompt = start < prompt_length(request)
             marker = in_prompt and tokens[0] in hasher.markers
             # Stock extra keys (LoRA, multimodal, prompt embeds, block-0 salt).
             # mm_idx restarts at 0 here; vLLM skips ahead only as an optimisation.
