@@ -34,9 +34,12 @@ def minipic_options(vllm_config: Any) -> dict[str, Any] | None:
         if section is not None and not isinstance(section, Mapping):
             raise ValueError(f"additional_config.{CONFIG_KEY} must be a dict, got {section!r}")
         options = {**(options or {}), **(section or {})}
-    if options is not None and options.get("enabled", True) is False:
+    if options is None:
         return None
-    return options
+    enabled = options.get("enabled", True)
+    if not isinstance(enabled, bool):  # "false" or 0 must not switch it on
+        raise ValueError(f"{CONFIG_KEY}.enabled must be true or false, got {enabled!r}")
+    return options if enabled else None
 
 
 def is_enabled(vllm_config: Any) -> bool:

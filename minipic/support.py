@@ -42,14 +42,31 @@ def model_problems(vllm_config: Any) -> list[str]:
         "attention layers minipic does not replace): only 'generate'": mc.runner_type != "generate",
         "decode context parallelism: hash blocks span several KV blocks": getattr(
             vllm_config.parallel_config, "decode_context_parallel_size", 1) > 1,
+        "prefill context parallelism: hash blocks span several KV blocks": getattr(
+            vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1,
     }
     problems = [reason for reason, present in checks.items() if present]
+    problems += _connector_problems(vllm_config)
     pass_config = vllm_config.compilation_config.pass_config
     problems += [
         f"compilation pass {name}: it fuses RoPE into K, minipic needs K unrotated; turn it off"
         for name in _ROPE_FUSIONS if getattr(pass_config, name, False)
     ]
     return problems
+
+
+def _connector_problems(vllm_config: Any) -> list[str]:
+    """Only minipic's own connector may move this instance's KV blocks: they hold K
+    unrotated, stock vLLM's hold it rotated, and the block hashes of plain prompts are
+    the same in both, so a stock store or transfer could hand one kind to the other."""
+    from minipic.config import CONNECTOR_NAME
+
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    name = getattr(kv, "kv_connector", None)
+    if not name or name == CONNECTOR_NAME:
+        return []
+    return [f"kv_connector {name!r}: it would share or load KV blocks that stock vLLM "
+            f"instances read as rotated; use {CONNECTOR_NAME} (docs/connector.md)"]
 
 
 def check_supported(vllm_config: Any) -> None:

@@ -39,6 +39,17 @@ def test_sliding_window_model_is_refused(tmp_path):
         start_llm(str(tmp_path), **MINIPIC_ON)
 
 
+def test_another_kv_connector_is_refused(tiny_model):
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    with pytest.raises(UnsupportedModelError, match="kv_connector 'OffloadingConnector'"):
+        start_llm(tiny_model, kv_transfer_config=offload, **MINIPIC_ON)
+
+
+def test_enabled_must_be_a_boolean(tiny_model):
+    with pytest.raises(ValueError, match="enabled must be true or false"):
+        start_llm(tiny_model, additional_config={"minipic": {"enabled": "false"}})
+
+
 def test_conflicting_marker_ids_are_refused(tiny_model):
     bad = {"additional_config": {"minipic": {"ssep_token_id": 3, "pdep_token_id": 3,
                                              "pad_token_id": 5}}}
