@@ -61,6 +61,12 @@ CASES = {
                                           num_q_heads=4, num_kv_heads=2, head_size=64,
                                           segment_starts=[[0, 16, 16, 0], [0, 16, 16]]),
                                      {"split_kv": True}),
+    # a span whose visible logits are all far below 0, after a tile it cannot see: the
+    # softmax must be weighed against the span's own max, or its weights underflow
+    "segments_negative_logits_fp16": (dict(query_lens=[1], context_lens=[63], num_q_heads=2,
+                                           num_kv_heads=1, head_size=32, rotary_dim=16,
+                                           segment_starts=[[0, 0, 32, 32]]),
+                                      {"config": "PREFILL_SMALL", "logit": -20.0}),
 }
 TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
 # Through MiniPICTritonImpl.forward, with the KV cache in each vLLM layout.
@@ -77,6 +83,8 @@ def _run_case(name: str) -> float:
     kwargs, opts = CASES[name]
     kwargs = dict(kwargs, dtype=getattr(torch, kwargs.get("dtype", "float16")))
     case = make_case(**kwargs, seed=len(name))
+    if "logit" in opts:
+        _set_every_logit(case, opts["logit"])
     out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
     config = {
         None: None,
@@ -96,6 +104,21 @@ def _run_case(name: str) -> float:
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
         is_neox_style=case.is_neox, config=config, segment_starts=case.segment_starts, **segm)
     return relative_error(out, reference_attention(case))
+
+
+def _set_every_logit(case, logit: float) -> None:
+    """Q and every K along the unrotated dims only, so that q.k * scale = `logit` at
+    every position (V stays random)."""
+    import torch
+
+    direction = torch.zeros(case.q.shape[-1])
+    direction[case.rotary_dim:] = 1.0
+    owned = ~torch.isnan(case.k_cache)  # NaN marks slots no request owns
+    k_cache = case.k_cache.float()
+    k_cache[owned] = direction.expand_as(k_cache)[owned]
+    case.k_cache = k_cache.to(case.q.dtype)
+    a = -logit / (direction.sum().item() * case.scale)
+    case.q = (-a * direction).expand_as(case.q).contiguous().to(case.q.dtype)
 
 
 def _run_backend_forward(name: str) -> float | str:

@@ -290,12 +290,15 @@ def minipic_attention_kernel(
             visible = visible & (offs_t[None, :] >= first_key[:, None])
         S = tl.where(visible, S, float("-inf"))
 
-        # Online softmax (base 2). A row with nothing visible yet keeps max 0, not -inf,
-        # so exp2(-inf - max) stays 0 instead of NaN.
+        # Online softmax (base 2). M stays the true running max, -inf while a row has
+        # seen nothing (tiles before its span's start); the exponents use a copy that is
+        # 0 there, so exp2(-inf - max) is 0, not NaN. Were M itself set to 0, a span
+        # whose logits are all far below 0 would be weighed against 0, not its own max,
+        # and its weights would underflow to an output of zeros.
         M_new = tl.maximum(M, tl.max(S, axis=1))
-        M_new = tl.where(M_new > float("-inf"), M_new, 0.0)
-        P = tl.exp2(S - M_new[:, None])
-        alpha = tl.exp2(M - M_new)
+        M_exp = tl.where(M_new > float("-inf"), M_new, 0.0)
+        P = tl.exp2(S - M_exp[:, None])
+        alpha = tl.exp2(M - M_exp)
         L = L * alpha + tl.sum(P, axis=1)
         M = M_new
 
