@@ -96,17 +96,48 @@ def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_k
     torch.testing.assert_close(output, torch.cat(expected), atol=2e-5, rtol=1e-4)
 
 
-def test_k_in_cache_is_unrotated():
-    """A rotated K would differ from the raw key at any position > 0."""
+@pytest.mark.parametrize("rope_kind", ["default", "llama3"])
+def test_query_only_rope_leaves_k_unrotated(rope_kind):
+    """What reaches the KV cache: the model's rope (as minipic switches it) must hand K
+    back untouched and rotate Q exactly as stock vLLM does."""
+    from minipic.attention import rope as rope_registry
+
+    rope = make_rope(rope_kind, 64, 64, True)
+    rope_registry.reset_rope()
+    rope_registry.make_query_only(rope)
+    positions = torch.arange(5, 45)
+    q, k = torch.randn(40, 2 * 64), torch.randn(40, 64)
+    q_out, k_out = rope(positions, q.clone(), k.clone())
+    assert torch.equal(k_out, k)
+    torch.testing.assert_close(q_out.view(40, 2, 64), stock_rotate(rope, positions, q.view(40, 2, 64)))
+
+
+def test_cache_update_skips_unkept_slots_anywhere_in_the_batch():
+    """A -1 slot in the middle must not shift the later keys into the wrong slots."""
     from minipic.attention.torch_backend import TorchPositionFreeImpl, gather_request_kv
 
     impl = TorchPositionFreeImpl(2, 64, 0.125, 1, None, None, "auto")
     kv_cache = torch.zeros(2, 1, BLOCK_SIZE, 128)
-    k, v = torch.randn(40, 1, 64), torch.randn(40, 1, 64)
-    slots = torch.arange(40)
+    k, v = torch.randn(41, 1, 64), torch.randn(41, 1, 64)
+    slots = torch.cat([torch.arange(20), torch.tensor([-1]), torch.arange(20, 40)])
     impl.do_kv_cache_update(None, k, v, kv_cache, slots)
+    keep = slots >= 0
     k_read, v_read = gather_request_kv(kv_cache, torch.tensor([0, 1]), 40, 64)
-    assert torch.equal(k_read, k) and torch.equal(v_read, v)
+    assert torch.equal(k_read, k[keep]) and torch.equal(v_read, v[keep])
+
+
+def test_a_rope_over_part_of_each_head_is_refused_at_load():
+    from minipic.attention import rope as rope_registry
+    from minipic.attention.torch_backend import TorchPositionFreeImpl, UnsupportedAttentionError
+
+    rope_registry.reset_rope()
+    rope_registry.make_query_only(make_rope("default", 32, 32, True))  # 32 of 96 dims
+    impl = TorchPositionFreeImpl(2, 96, 0.1, 1, None, None, "auto")
+    with pytest.raises(UnsupportedAttentionError, match="covers 32 of each head's 96"):
+        impl.process_weights_after_loading(torch.float32)
+    rope_registry.reset_rope()
+    with pytest.raises(rope_registry.UnsupportedRopeError, match="no rotary embedding"):
+        impl.process_weights_after_loading(torch.float32)
 
 
 @pytest.mark.parametrize("feature", ["alibi", "sliding_window", "fp8"])

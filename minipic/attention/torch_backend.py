@@ -98,13 +98,23 @@ class TorchPositionFreeImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        valid = slot_mapping >= 0  # padded batch slots are -1
+        valid = slot_mapping >= 0  # tokens whose KV is not kept have slot -1, anywhere
         slots = slot_mapping[valid].long()
         block_size = kv_cache.shape[2]
         blocks, offsets = slots // block_size, slots % block_size
-        n = slots.shape[0]
-        kv_cache[blocks, :, offsets, : self.head_size] = key[:n].to(kv_cache.dtype)
-        kv_cache[blocks, :, offsets, self.head_size :] = value[:n].to(kv_cache.dtype)
+        n = slot_mapping.shape[0]  # key/value may carry padding rows past the slots
+        kv_cache[blocks, :, offsets, : self.head_size] = key[:n][valid].to(kv_cache.dtype)
+        kv_cache[blocks, :, offsets, self.head_size :] = value[:n][valid].to(kv_cache.dtype)
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """The model is built and its rotary embedding registered: refuse a model whose
+        RoPE cannot move into attention now, at load time, not on its first request."""
+        rope = current_rope()  # raises for a model without RoPE
+        if rope.head_size != self.head_size:
+            raise UnsupportedAttentionError(
+                f"the rotary embedding covers {rope.head_size} of each head's "
+                f"{self.head_size} dims (e.g. a decoupled RoPE part, as in MiniCPM3): "
+                "minipic rotates whole heads only")
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchPositionFreeMetadata | None,
