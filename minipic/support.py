@@ -33,6 +33,10 @@ def model_problems(vllm_config: Any) -> list[str]:
         "chunked local attention": bool(getattr(text, "attention_chunk_size", None)),
         "dual-chunk attention": bool(getattr(text, "dual_chunk_attention_config", None)),
         "encoder-decoder models": mc.is_encoder_decoder,
+        "multimodal prefix-LM attention: image ranges attend both ways, minipic's "
+        "attention is causal only": bool(getattr(mc, "is_mm_prefix_lm", False)),
+        "R-SWA (evicted middle blocks are masked by stock attention, not by minipic's)":
+        getattr(mc, "rswa_window", None) is not None,
         "hybrid attention/state-space models: their state is not positional KV": mc.is_hybrid,
         f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}: only 'auto' is "
         "supported": vllm_config.cache_config.cache_dtype != "auto",

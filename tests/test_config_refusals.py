@@ -97,3 +97,21 @@ def test_switch_changes_the_compile_cache_key(tiny_model):
 
     assert key() == key()
     assert key(**MINIPIC_ON) != key()
+
+
+@pytest.mark.parametrize("feature, reason", [("is_mm_prefix_lm", "prefix-LM"),
+                                             ("rswa_window", "R-SWA")])
+def test_attention_masks_minipic_does_not_apply_are_refused(tiny_model, monkeypatch, feature,
+                                                            reason):
+    """Model features no tiny CPU model has: the tiny model's config, with the one field
+    that vLLM derives from the architecture set as such a model would set it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from conftest import engine_kwargs
+    from minipic.support import model_problems
+
+    config = EngineArgs(**engine_kwargs(tiny_model)).create_engine_config()
+    assert model_problems(config) == []
+    monkeypatch.setattr(type(config.model_config), feature,
+                        property(lambda self: True if feature == "is_mm_prefix_lm" else 512))
+    assert [p for p in model_problems(config) if reason in p]

@@ -72,7 +72,9 @@ def _block_first_tokens(num_reqs: int, block_size: int
             return None  # dummy / capture runs before any real batch
         rows = _mrv2_idx_mapping[:num_reqs].long()
         states = _runner.req_states
-        return states.all_token_ids.gpu[:, ::block_size][rows], states.prefill_len.gpu[rows]
+        # prompt_len, not prefill_len: after a preemption prefill_len includes generated
+        # tokens, which never start a span (the hasher counts prompt tokens only).
+        return states.all_token_ids.gpu[:, ::block_size][rows], states.prompt_len.gpu[rows]
     batch = _runner.input_batch
     return (batch.token_ids_cpu_tensor[:num_reqs, ::block_size],
             torch.from_numpy(batch.num_prompt_tokens[:num_reqs]))
