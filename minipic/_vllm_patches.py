@@ -22,6 +22,8 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |                                                  |             | (model_executor.layers.rotary_embedding._ROPE_DICT) |
 | v1.worker.gpu.model_runner.GPUModelRunner        | worker      | same for Model Runner V2, plus the    |
 |   .__init__ and .prepare_inputs                  |             | batch's rows of that table            |
+| v1.engine.input_processor.InputProcessor         | front end   | refuse a prompt whose SSep/PDep is    |
+|   ._validate_model_input                         | (API / LLM) | not at a block start (HTTP 400)       |
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def apply_all() -> None:
     _patch_attention_selector()
     _patch_model_runner_init()
     _patch_model_runner_v2()
+    _patch_prompt_validation()
 
 
 def _warn_if_unchecked_version() -> None:
@@ -237,3 +240,32 @@ def _patch_model_runner_v2() -> None:
 
     _wrap(model_runner.GPUModelRunner, "__init__", _register_runner_after_init)
     _wrap(model_runner.GPUModelRunner, "prepare_inputs", make_prepare_inputs)
+
+
+def _patch_prompt_validation() -> None:
+    from vllm.v1.engine import input_processor
+
+    def make(original):
+        def _validate_model_input(self, prompt_input, prompt_type, *args, **kwargs):
+            original(self, prompt_input, prompt_type, *args, **kwargs)
+            check = _marker_check_of(self)
+            if check is not None and prompt_input.get("type") != "embeds":
+                check(prompt_input["prompt_token_ids"])
+        return _validate_model_input
+
+    _wrap(input_processor.InputProcessor, "_validate_model_input", make)
+
+
+def _marker_check_of(processor: Any) -> Callable[[list[int]], None] | None:
+    """The instance's marker-placement check, built on its first request (None: off)."""
+    try:
+        return processor._minipic_marker_check
+    except AttributeError:
+        pass
+    config = processor.vllm_config
+    check = None
+    if is_enabled(config):
+        protocol, block_size = span_protocol_of(config), config.cache_config.block_size
+        check = functools.partial(protocol.check_marker_placement, block_size=block_size)
+    processor._minipic_marker_check = check
+    return check

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 # Tokenizers such as Llama-3's ship reserved special tokens that no text ever
 # produces; they make safe markers. We pick the three lowest-numbered ones.
@@ -20,6 +20,10 @@ _FIELDS = ("ssep_token_id", "pdep_token_id", "pad_token_id")
 
 class SpanProtocolError(ValueError):
     """The span protocol cannot be resolved or is inconsistent."""
+
+
+class MisplacedMarkerError(ValueError):
+    """A prompt has a span marker where it would not act as one (a request error)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +50,28 @@ class SpanProtocol:
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+    def check_marker_placement(self, token_ids: Sequence[int], block_size: int) -> None:
+        """Raise MisplacedMarkerError if SSep or PDep sits anywhere but at a block start.
+
+        The block hasher reads a marker only as a block's first token; one inside a
+        block would be hashed as a plain token, and the prompt's spans would silently
+        miss (or its task be hashed as part of a span). `list.index` scans in C: a
+        10k-token prompt costs microseconds, checked for every request."""
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+        for marker, name in ((self.ssep_token_id, "SSep"), (self.pdep_token_id, "PDep")):
+            position = -1
+            while True:
+                try:
+                    position = tokens.index(marker, position + 1)
+                except ValueError:
+                    break
+                if position % block_size:
+                    raise MisplacedMarkerError(
+                        f"prompt token {position} is minipic's {name} marker (token id "
+                        f"{marker}), which must start a KV block (block size {block_size}): "
+                        "pad before it to the block boundary (minipic.client's prompt "
+                        "builders do), or remove it from the text")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SpanProtocol":

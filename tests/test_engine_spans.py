@@ -176,3 +176,15 @@ def test_span_computed_in_a_final_prompt_is_cached_honestly(llm, protocol, refer
         assert list(out.outputs[0].token_ids) == tokens
         got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
         assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+def test_a_marker_inside_a_block_is_a_request_error(llm, protocol):
+    """The hasher reads markers at block starts only: one elsewhere is refused, with the
+    position, before the engine sees the request; the engine goes on serving."""
+    from minipic.protocol import MisplacedMarkerError
+
+    misplaced = words(5, 9) + [protocol.ssep_token_id] + words(40, 10)
+    with pytest.raises(MisplacedMarkerError, match="prompt token 5 is minipic's SSep"):
+        generate(llm, [{"prompt_token_ids": misplaced}], steps=1)
+    aligned = words(BLOCK_SIZE, 9) + [protocol.ssep_token_id] + words(40, 10)
+    assert generate(llm, [{"prompt_token_ids": aligned}], steps=1)[0].outputs[0].token_ids
