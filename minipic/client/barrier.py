@@ -61,8 +61,10 @@ class BatchedScheduler:
 
     async def _prefill_missing(self, batch: list[RagRequest],
                                prefilled: dict[str, SpanPrefill | BaseException]) -> None:
-        missing = {span_key(s): s for r in batch for s in r.prompt.span_prefills}
-        missing = {k: s for k, s in missing.items() if k not in prefilled}
+        needed = {span_key(s): s for r in batch for s in r.prompt.span_prefills}
+        # A span whose prefill failed in an earlier batch is tried again, as ISPS does.
+        missing = {k: s for k, s in needed.items()
+                   if not isinstance(prefilled.get(k), SpanPrefill)}
         outcomes = await gather_bounded(
             (prefill_span(self.backend, s, self.protocol) for s in missing.values()),
             self.max_in_flight)

@@ -165,8 +165,7 @@ def test_a_failing_input_stream_ends_the_run():
         run(isps(FakeBackend(), 2), broken())
 
 
-def test_isps_retries_a_span_whose_prefill_failed_earlier():
-    """A transient failure fails the requests that waited for it, not every later one."""
+def fail_first_prefill_of_doc_0():
     failures = {"left": 1}
 
     def fail_once(prompt):
@@ -175,7 +174,20 @@ def test_isps_retries_a_span_whose_prefill_failed_earlier():
         failures["left"] -= 1
         return True
 
-    backend = FakeBackend(delay_s=0.005, fail_if=fail_once)
+    return fail_once
+
+
+def test_batched_retries_a_span_whose_prefill_failed_in_an_earlier_batch():
+    backend = FakeBackend(delay_s=0.001, fail_if=fail_first_prefill_of_doc_0())
+    scheduler = BatchedScheduler(backend, PROTOCOL, batch_size=1)
+    first, second, third = run(scheduler, [request((0,), n) for n in range(3)])
+    assert not first.ok and isinstance(first.error, SpanPrefillFailed)
+    assert second.ok and third.ok and third.cached_tokens == third.expected_cached_tokens
+
+
+def test_isps_retries_a_span_whose_prefill_failed_earlier():
+    """A transient failure fails the requests that waited for it, not every later one."""
+    backend = FakeBackend(delay_s=0.005, fail_if=fail_first_prefill_of_doc_0())
 
     async def arriving():
         yield request((0,), 0)
