@@ -18,6 +18,7 @@ span_prefill.py), then sends the final prompt; for many questions, hand
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Sequence, Union
 
@@ -29,6 +30,8 @@ from minipic.client.rag_request import RagRequest, RagResult
 from minipic.client.recipes import block_attention
 from minipic.client.span_prompt import SpanPrompt, SpanPromptError
 from minipic.protocol import SpanProtocol
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +55,15 @@ class RagClient:
         self.manifest = manifest
         info = manifest.info if manifest else None
         self.tokenizer = tokenizer or backend.get_tokenizer()
-        self.protocol = protocol or (info.protocol if info else backend.span_protocol())
+        # The engine's markers, not the manifest's: a manifest made for another engine
+        # must be refused, not followed.
+        self.protocol = protocol or backend.span_protocol()
         if info and info.protocol != self.protocol:
             raise ManifestError(f"the manifest's span protocol {info.protocol} differs from "
-                                f"this client's {self.protocol}: its spans would never hit")
+                                f"the engine's {self.protocol}: its spans would never hit")
+        if info and backend.model and info.model != backend.model:
+            logger.warning("the manifest was made for model %r, the engine serves %r: its "
+                           "spans hit only if both tokenize alike", info.model, backend.model)
         self.block_size = _agreed_block_size(block_size, backend.block_size,
                                              info.block_size if info else None)
         self.span_tokens = span_tokens or (info.span_tokens if info else DEFAULT_SPAN_TOKENS)

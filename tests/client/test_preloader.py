@@ -178,3 +178,16 @@ def test_rag_client_hits_what_preload_stored(tokenizer, tmp_path):
     import json
     nile = json.loads(texts[0])["text"]
     assert client.prompt(question, [nile, texts[1]]) == by_id.request.prompt
+
+
+def test_rag_client_refuses_a_manifest_made_for_other_markers(tokenizer, tmp_path):
+    from minipic.client.manifest import ManifestError, ManifestInfo
+    from minipic.protocol import SpanProtocol
+
+    backend = FakeBackend(tokenizer=tokenizer, delay_s=0)
+    run_preload(EXAMPLES, backend, tmp_path / "m.parquet")
+    made = Manifest.read(tmp_path / "m.parquet")
+    foreign = Manifest(ManifestInfo(made.info.model, made.info.block_size, made.info.span_tokens,
+                                    SpanProtocol(7, 8, 9)), made.records)
+    with pytest.raises(ManifestError, match="differs from the engine's"):
+        RagClient(backend, manifest=foreign)
