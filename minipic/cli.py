@@ -66,7 +66,7 @@ def _verify(args: argparse.Namespace) -> int:
     if not is_store_root(args.dir):
         print(f"minipic: {args.dir} is not a minipic store", file=sys.stderr)
         return 2
-    good = bad = 0
+    good = bad = kept = 0
     for block in iter_blocks(args.dir):
         try:
             verify_file(block.path)
@@ -77,10 +77,15 @@ def _verify(args: argparse.Namespace) -> int:
             if args.remove:
                 try:
                     os.unlink(block.path)
-                except OSError:
-                    pass
-    print(f"{good} good, {bad} bad" + (" (removed)" if args.remove and bad else ""))
-    return 1 if bad and not args.remove else 0
+                except FileNotFoundError:
+                    pass  # gone already (evicted or removed by another replica)
+                except OSError as e:
+                    kept += 1
+                    print(f"  could not remove it: {e}", file=sys.stderr)
+    removed = f" ({bad - kept} removed, {kept} could not be)" if args.remove and bad else ""
+    print(f"{good} good, {bad} bad{removed}")
+    # Bad files left in the store are a failure; engines never load them either way.
+    return 1 if bad and (not args.remove or kept) else 0
 
 
 def _evict(args: argparse.Namespace) -> int:
@@ -90,13 +95,24 @@ def _evict(args: argparse.Namespace) -> int:
     if not is_store_root(args.dir):
         print(f"minipic: {args.dir} is not a minipic store", file=sys.stderr)
         return 2
-    result = evict_lru(args.dir, args.max_bytes, low_watermark=1.0)
+    try:
+        result = evict_lru(args.dir, args.max_bytes, low_watermark=1.0)
+    except OSError as e:  # e.g. a read-only store: no lock file, no unlink
+        print(f"minipic: cannot evict in {args.dir}: {e}", file=sys.stderr)
+        return 1
     if not result.ran:
         print("another process is evicting; try again later", file=sys.stderr)
         return 1
     print(f"removed {result.removed_files} blocks ({_human(result.removed_bytes)}), "
           f"{_human(result.remaining_bytes)} left")
     return 0
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evict = store_commands.add_parser("evict", help="remove LRU blocks down to a size")
     evict.add_argument("dir")
-    evict.add_argument("--max-bytes", type=int, required=True)
+    evict.add_argument("--max-bytes", type=_non_negative_int, required=True)
     evict.set_defaults(run=_evict)
     return parser
 

@@ -207,6 +207,36 @@ def test_stats_and_cli(tmp_path, capsys):
     assert not os.path.exists(bad)
 
 
+def test_cli_reports_what_it_could_not_do(tmp_path, monkeypatch, capsys):
+    from minipic.cli import main
+    from minipic.connector.store import eviction
+
+    ns_dir = open_namespace(tmp_path, NS)
+    bad = block_path(ns_dir, bytes([1]) * 32, 0)
+    write_block(bad, NS.digest, KEY, payload())
+    _damage(bad, "payload")
+    real_unlink = os.unlink
+
+    def read_only(path, *args, **kwargs):
+        if str(path) == bad:
+            raise PermissionError(13, "Permission denied", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", read_only)
+    assert main(["store", "verify", str(tmp_path), "--remove"]) == 1  # still there: a failure
+    assert "0 removed, 1 could not be" in capsys.readouterr().out
+    monkeypatch.undo()
+
+    def no_lock(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / eviction.LOCK_FILE))
+
+    monkeypatch.setattr(eviction, "evict_lru", no_lock)
+    assert main(["store", "evict", str(tmp_path), "--max-bytes", "0"]) == 1
+    assert "cannot evict" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: a negative limit would empty the store
+        main(["store", "evict", str(tmp_path), "--max-bytes", "-5"])
+
+
 def test_stock_vllm_dir_is_not_a_store(tmp_path, capsys):
     from minipic.cli import main
 
