@@ -74,7 +74,15 @@ def _walk(root: Path) -> Iterator[Path]:
     if root.is_file():
         yield root
         return
-    for dirpath, dirnames, filenames in os.walk(root):
+    visited: set[str] = set()
+    # Linked directories are part of the corpus too; each real directory is read once
+    # (a link back to an ancestor would otherwise loop).
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in visited:
+            dirnames[:] = []
+            continue
+        visited.add(real)
         # Sorted in place so os.walk descends in a stable order too.
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
@@ -158,10 +166,11 @@ def _parquet_documents(path: Path, source: str, text_field: str,
     if is_manifest_schema(schema):
         yield IgnoredFile(source)
         return
-    if text_field not in schema.names:
-        yield CorpusProblem(source, f"no {text_field!r} column (columns: {schema.names})")
+    missing = [f for f in (text_field, id_field) if f and f not in schema.names]
+    if missing:  # without the id column, ids would silently become row numbers
+        yield CorpusProblem(source, f"no {missing[0]!r} column (columns: {schema.names})")
         return
-    columns = [text_field] + ([id_field] if id_field and id_field in schema.names else [])
+    columns = [text_field] + ([id_field] if id_field else [])
     try:
         table = pq.read_table(path, columns=columns)
     except (pa.ArrowException, ValueError) as e:

@@ -109,3 +109,21 @@ def test_a_single_file_is_a_corpus(tmp_path):
     (tmp_path / "one.md").write_text("rome")
     docs, _, _ = read(tmp_path / "one.md")
     assert docs == {"one.md": "rome"}
+
+
+def test_linked_directories_are_read_once_and_loops_end(tmp_path):
+    root = tmp_path / "corpus"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "x.txt").write_text("a linked document")
+    root.mkdir()
+    (root / "top.txt").write_text("top")
+    (root / "linked").symlink_to(tmp_path / "real")
+    (root / "loop").symlink_to(root)  # back to the root
+    docs, problems, _ = read(root)
+    assert docs == {"top.txt": "top", "linked/x.txt": "a linked document"} and not problems
+
+
+def test_a_parquet_file_without_the_id_column_is_a_problem(tmp_path):
+    pq.write_table(pa.table({"text": ["tokyo"]}), tmp_path / "d.parquet")
+    docs, problems, _ = read(tmp_path, id_field="id")
+    assert not docs and "no 'id' column" in problems["d.parquet"]
