@@ -246,6 +246,17 @@ def test_bad_block_size(protocol, bad, match):
         PromptCache({}, protocol=protocol, block_size=bad)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(recompute_blocks=-1, block_size=B), "recompute_blocks must be an int >= 0"),
+    (dict(recompute_blocks=1, block_size=None), "block_size is required"),
+])
+def test_epic_document_checks_its_arguments(protocol, kwargs, match):
+    from minipic.client.recipes import epic_document
+
+    with pytest.raises(SpanPromptError, match=match):
+        epic_document([7, 8, 9], protocol=protocol, **kwargs)
+
+
 def test_marker_in_bodies(tokenizer, protocol):
     kwargs = dict(protocol=protocol, block_size=B, tokenizer=tokenizer)
     ssep_text = tokenizer.convert_ids_to_tokens(protocol.ssep_token_id)

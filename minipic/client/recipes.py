@@ -70,6 +70,8 @@ def epic_document(body: Sequence[int], recompute_blocks: int, protocol: SpanProt
     document is an ordinary span: [SSep + rest + pad], prefilled alone.
     A document that fits in the head has no span; its head is padded instead.
     """
+    block_size = check_block_size(block_size)
+    _check_recompute_blocks(recompute_blocks)
     if not body:
         raise SpanPromptError(f"{where} is empty")
     check_body(body, protocol, where)
@@ -81,6 +83,12 @@ def epic_document(body: Sequence[int], recompute_blocks: int, protocol: SpanProt
     if not rest:
         return pad_to_block(head, block_size, protocol.pad_token_id), None
     return head, make_span(rest, protocol, block_size, where)
+
+
+def _check_recompute_blocks(recompute_blocks: Any) -> None:
+    if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) \
+            or recompute_blocks < 0:
+        raise SpanPromptError(f"recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
 
 
 def epic(docs: Sequence[TextOrTokens], task: TextOrTokens, *, protocol: SpanProtocol,
@@ -95,9 +103,7 @@ def epic(docs: Sequence[TextOrTokens], task: TextOrTokens, *, protocol: SpanProt
     any lookup that is not prefix-only (e.g. a KV connector).
     """
     block_size = check_block_size(block_size)
-    if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) \
-            or recompute_blocks < 0:
-        raise SpanPromptError(f"recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
+    _check_recompute_blocks(recompute_blocks)
     parts: list[list[int]] = []
     spans: list[list[int]] = []
     for i, doc in enumerate(_check_docs(docs)):
