@@ -1,12 +1,14 @@
 """Without markers minipic changes nothing: stock, off and on give the same tokens.
 
 "stock" runs with the plugin not loaded at all in the engine processes
-(VLLM_PLUGINS names none), "off" loads it without switching it on, "on"
-switches it on and sends prompts without markers.
+(VLLM_PLUGINS names none, and the engine is spawned, not forked from this
+process, which earlier tests may have patched), "off" loads it without
+switching it on, "on" switches it on and sends prompts without markers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -19,11 +21,18 @@ STEPS = 8
 
 
 def greedy_run(model: str, **overrides):
+    expect_patched = overrides.pop("expect_patched", True)
+    with _env(VLLM_ALLOW_INSECURE_SERIALIZATION="1"):  # collective_rpc of a test function
+        return _greedy_run(model, expect_patched, **overrides)
+
+
+def _greedy_run(model: str, expect_patched: bool, **overrides):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = start_llm(model, **overrides)
     try:
+        assert llm.collective_rpc(_rope_init_is_patched) == [expect_patched]
         params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=0)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
                             use_tqdm=False)
@@ -37,17 +46,32 @@ def greedy_run(model: str, **overrides):
              o.num_cached_tokens) for o in outs + again]
 
 
+def _rope_init_is_patched(worker) -> bool:
+    """In the engine's worker: is minipic's patch of vLLM installed there?"""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    return hasattr(RotaryEmbeddingBase.__init__, "__minipic_original__")
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+
+
 @pytest.fixture(scope="module")
 def stock(tiny_model):
-    saved = os.environ.get("VLLM_PLUGINS")
-    os.environ["VLLM_PLUGINS"] = "no-plugin"  # engine processes load no plugin at all
-    try:
-        return greedy_run(tiny_model)
-    finally:
-        if saved is None:
-            del os.environ["VLLM_PLUGINS"]
-        else:
-            os.environ["VLLM_PLUGINS"] = saved
+    # Engine processes load no plugin at all, and start from a fresh interpreter.
+    with _env(VLLM_PLUGINS="no-plugin", VLLM_WORKER_MULTIPROC_METHOD="spawn"):
+        return greedy_run(tiny_model, expect_patched=False)
 
 
 def test_off_equals_stock_exactly(tiny_model, stock):
