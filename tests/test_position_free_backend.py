@@ -159,3 +159,19 @@ def test_refuses_rope_with_its_own_position_math():
     mrope = MRotaryEmbedding(64, 64, 4096, 10000.0, True, torch.float32, mrope_section=[16, 8, 8])
     with pytest.raises(UnsupportedRopeError, match="MRotaryEmbedding"):
         make_query_only(mrope)
+
+
+def test_a_layer_that_chose_a_stock_backend_is_refused():
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from minipic.attention.layer_check import (
+        NotPositionFreeError, check_every_layer_is_position_free)
+    from minipic.attention.torch_backend import TorchPositionFreeBackend
+
+    ours = SimpleNamespace(attn_backend=TorchPositionFreeBackend)
+    check_every_layer_is_position_free({"layers.0.attn": ours, "layers.0.mlp": SimpleNamespace()})
+    stock = SimpleNamespace(attn_backend=CPUAttentionBackend)
+    with pytest.raises(NotPositionFreeError, match=r"layers\.1\.attn .*CPUAttentionBackend"):
+        check_every_layer_is_position_free({"layers.0.attn": ours, "layers.1.attn": stock})

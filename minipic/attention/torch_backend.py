@@ -25,6 +25,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from minipic.attention.backend_traits import PositionFreeTraits
+from minipic.attention.layer_check import check_current_model
 from minipic.attention.rope import current_rope
 from minipic.attention.rotation import rotate
 from minipic.attention.segments import first_visible_keys
@@ -109,6 +110,7 @@ class TorchPositionFreeImpl(AttentionImpl):
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """The model is built and its rotary embedding registered: refuse a model whose
         RoPE cannot move into attention now, at load time, not on its first request."""
+        check_current_model()
         rope = current_rope()  # raises for a model without RoPE
         if rope.head_size != self.head_size:
             raise UnsupportedAttentionError(

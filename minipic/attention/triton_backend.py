@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from minipic.attention.backend_traits import PositionFreeTraits
+from minipic.attention.layer_check import check_current_model
 from minipic.attention.rope import current_rope
 from minipic.attention.segments import segment_table
 from minipic.attention.triton_kernel import (
@@ -113,6 +114,7 @@ class MiniPICTritonImpl(TritonAttentionImpl):
         # Model built: its rotary embedding is registered. Move the table now,
         # before any CUDA graph capture, and fail at load time, not mid-serving.
         super().process_weights_after_loading(act_dtype)
+        check_current_model()
         if torch.cuda.is_available():
             self._rope_table(torch.device("cuda", torch.cuda.current_device()))
 
