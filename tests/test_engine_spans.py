@@ -188,3 +188,26 @@ def test_a_marker_inside_a_block_is_a_request_error(llm, protocol):
         generate(llm, [{"prompt_token_ids": misplaced}], steps=1)
     aligned = words(BLOCK_SIZE, 9) + [protocol.ssep_token_id] + words(40, 10)
     assert generate(llm, [{"prompt_token_ids": aligned}], steps=1)[0].outputs[0].token_ids
+
+
+def test_every_recipe_gets_the_hits_it_expects(llm, protocol):
+    """expected_cached_tokens of each recipe against the engine itself (the client-side
+    tests compute hits with minipic's own calculator)."""
+    from minipic.client import PromptCache, Text, epic
+
+    docs = [words(45, 31), words(80, 32)]  # not used by the other tests: no earlier hits
+    task = words(9, 33)
+    cache = PromptCache({"a": docs[0], "b": docs[1]}, protocol=protocol, block_size=BLOCK_SIZE)
+    prompts = {
+        "block_attention": build(protocol, docs=docs, system=words(20, 34), task=task),
+        # EPIC recomputes each document's first block; vLLM's prefix lookup stops at the
+        # first miss, so only the header hits (recipes.epic's docstring).
+        "epic": epic(docs, task, protocol=protocol, block_size=BLOCK_SIZE,
+                     system=words(20, 35)),
+        "prompt_cache": cache.prompt("b", Text(words(5, 36)), "a", Text(task)),
+    }
+    for name, prompt in prompts.items():
+        prefill(llm, prompt)
+        [out] = generate(llm, [prompt.vllm_final()], steps=1)
+        assert prompt.expected_cached_tokens > 0, name
+        assert out.num_cached_tokens == prompt.expected_cached_tokens, name
