@@ -143,8 +143,15 @@ def _nothing_read(corpus: Any, report: PreloadReport) -> str:
 def _manifest_info(backend: CompletionBackend, span_tokens: int) -> ManifestInfo:
     if backend.block_size is None:
         raise SpanPromptError("the engine's KV block size is unknown: pass it (--block-size)")
-    return ManifestInfo(model=backend.model, block_size=backend.block_size,
-                        span_tokens=span_window(span_tokens, backend.block_size),
+    window = span_window(span_tokens, backend.block_size)
+    limit = getattr(backend, "max_model_len", None)
+    # A span prefill is the span + one probe token, and vLLM needs room for one more.
+    if limit is not None and window + 2 > limit:
+        raise SpanPromptError(
+            f"spans of {window} tokens do not fit the engine's max_model_len {limit} (a span "
+            f"prefill sends the span, one probe token and generates one): use --span-tokens "
+            f"{limit - 2} or less")
+    return ManifestInfo(model=backend.model, block_size=backend.block_size, span_tokens=window,
                         protocol=backend.span_protocol())
 
 

@@ -153,6 +153,17 @@ def test_a_manifest_that_cannot_be_written_at_the_end_is_reported(tokenizer, tmp
     assert "NOT written" in format_summary(report) and "No space left" in format_summary(report)
 
 
+def test_spans_longer_than_the_engine_takes_are_refused_up_front(tokenizer, tmp_path):
+    from minipic.client.span_prompt import SpanPromptError
+
+    backend = FakeBackend(tokenizer=tokenizer, delay_s=0)
+    backend.max_model_len = 64
+    with pytest.raises(SpanPromptError, match="--span-tokens 62 or less"):
+        run_preload(EXAMPLES, backend, tmp_path / "m.parquet", span_tokens=64)
+    assert not backend.done and not (tmp_path / "m.parquet").exists()
+    assert run_preload(EXAMPLES, backend, tmp_path / "m.parquet", span_tokens=62).ok
+
+
 def test_rag_client_hits_what_preload_stored(tokenizer, tmp_path):
     backend = FakeBackend(tokenizer=tokenizer, delay_s=0)
     run_preload(EXAMPLES, backend, tmp_path / "m.parquet")

@@ -82,6 +82,7 @@ def words(n: int, seed: int) -> list[int]:
 def test_isps_over_the_server(url):
     async def run():
         backend = await OpenAIServerBackend.connect(url, block_size=BLOCK_SIZE)
+        assert backend.max_model_len == MAX_MODEL_LEN  # read from the server's model card
         protocol = backend.span_protocol()
         docs = [words(30 + 20 * i, 900 + i) for i in range(4)]
         layouts = [(0, 1), (1, 2, 3), (3, 0), (2,)]

@@ -29,6 +29,8 @@ class CompletionBackend(Protocol):
     # The engine's KV block size when the backend can know it (in-process);
     # None for a server, which does not publish it.
     block_size: int | None
+    # The longest prompt + output the engine takes (None: unknown). Optional.
+    max_model_len: int | None
 
     def get_tokenizer(self) -> Any: ...
 

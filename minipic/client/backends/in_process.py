@@ -51,6 +51,7 @@ class AsyncLLMBackend:
         self.engine = engine
         self.model = engine.model_config.model
         self.block_size = engine.vllm_config.cache_config.block_size
+        self.max_model_len = engine.model_config.max_model_len
         self._owns_engine = owns_engine
 
     @classmethod
@@ -97,6 +98,7 @@ class LLMBackend:
         vllm_config = llm.llm_engine.vllm_config
         self.model = vllm_config.model_config.model
         self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = vllm_config.model_config.max_model_len
         # A thread lock, not an asyncio one: the backend may outlive an event loop
         # (one asyncio.run per call), and the lock is held in the worker thread.
         self._lock = threading.Lock()

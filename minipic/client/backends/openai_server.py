@@ -27,10 +27,12 @@ def _api_base(url: str) -> str:
 
 class OpenAIServerBackend:
     def __init__(self, client: Any, model: str, *, block_size: int | None = None,
-                 tokenizer: str | None = None, protocol: SpanProtocol | None = None):
+                 tokenizer: str | None = None, protocol: SpanProtocol | None = None,
+                 max_model_len: int | None = None):
         self.client = client
         self.model = model
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self._tokenizer_name = tokenizer or model
         self._tokenizer: Any = None
         self._protocol = protocol
@@ -45,12 +47,15 @@ class OpenAIServerBackend:
 
         client = openai.AsyncOpenAI(base_url=_api_base(url), api_key=api_key or "EMPTY",
                                     timeout=timeout_s)
+        models = (await client.models.list()).data
         if model is None:
-            models = await client.models.list()
-            if not models.data:
+            if not models:
                 raise RuntimeError(f"the server at {url} serves no model")
-            model = models.data[0].id
-        return cls(client, model, block_size=block_size, tokenizer=tokenizer, protocol=protocol)
+            model = models[0].id
+        # vLLM's model cards carry max_model_len (an extra field to the OpenAI client).
+        card = next((m for m in models if m.id == model), None)
+        return cls(client, model, block_size=block_size, tokenizer=tokenizer, protocol=protocol,
+                   max_model_len=getattr(card, "max_model_len", None))
 
     def get_tokenizer(self) -> Any:
         if self._tokenizer is None:
