@@ -202,8 +202,8 @@ def _register_runner_after_init(original):
             from minipic.attention.rope import reset_rope
             from minipic.attention.segments import register_runner
 
+            register_runner(self, span_protocol_of(vllm_config))  # first: it may refuse
             reset_rope()
-            register_runner(self, span_protocol_of(vllm_config))
     return __init__
 
 

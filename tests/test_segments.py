@@ -1,5 +1,6 @@
 """Which keys a query may see, from the marker blocks of its request."""
 
+import pytest
 import torch
 
 from minipic.attention.segments import segment_start_table
@@ -29,3 +30,18 @@ def test_markers_in_generated_tokens_are_ignored():
     firsts = torch.tensor([[1, 3, 50, 3]])  # the second SSep is a generated token
     starts = segment_start_table(firsts, P, 32, prompt_lens=torch.tensor([96]))
     assert starts.tolist() == [[0, 32, 32, 32]]
+
+
+def test_a_second_live_engine_in_one_process_is_refused():
+    from minipic.attention import segments
+
+    class Runner:  # stands for a model runner: only its identity matters here
+        pass
+
+    first, second = Runner(), Runner()
+    segments.register_runner(first, P)
+    with pytest.raises(segments.OneEnginePerProcessError, match="one engine per process"):
+        segments.register_runner(second, P)
+    del first  # shut down: the next engine may start
+    segments.register_runner(second, P)
+    del second

@@ -18,21 +18,44 @@ the model runner's own per-request token table:
 
 from __future__ import annotations
 
-from typing import Any
+import gc
+import weakref
+from typing import Any, Callable
 
 import torch
 
 from minipic.protocol import SpanProtocol
 
-_runner: Any = None
+def _no_runner() -> Any:
+    return None
+
+
+_runner: Callable[[], Any] = _no_runner  # a weak reference to the registered runner
 _protocol: SpanProtocol | None = None
 _mrv2_idx_mapping: torch.Tensor | None = None  # rows of the batch being run (MRV2)
 
 
+class OneEnginePerProcessError(RuntimeError):
+    """A second minipic engine in a process that still runs one."""
+
+
 def register_runner(runner: Any, protocol: SpanProtocol) -> None:
-    """Called when minipic's worker builds its model runner (see _vllm_patches)."""
+    """Called when minipic's worker builds its model runner (see _vllm_patches).
+
+    The runner and the rope (attention.rope) are per process: a second live minipic
+    engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) would make the first one
+    read the second one's tokens and rope. Refused; held weakly, so an engine that
+    was shut down does not count."""
     global _runner, _protocol
-    _runner, _protocol = runner, protocol
+    previous = _runner()
+    if previous is not None and previous is not runner:
+        gc.collect()  # shut down but not yet collected is not alive
+        if _runner() is not None:
+            raise OneEnginePerProcessError(
+                "minipic serves one engine per process, and this process runs one already: "
+                "shut it down first, or keep vLLM's engine processes "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=1, the default)")
+    _runner, _protocol = weakref.ref(runner), protocol
 
 
 def note_mrv2_batch(idx_mapping: torch.Tensor) -> None:
@@ -65,17 +88,18 @@ def segment_start_table(block_first_tokens: torch.Tensor, protocol: SpanProtocol
 def _block_first_tokens(num_reqs: int, block_size: int
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The batch's first token of every block, and its prompt lengths."""
-    if _runner is None:
+    runner = _runner()
+    if runner is None:
         return None
-    if hasattr(_runner, "req_states"):  # Model Runner V2
+    if hasattr(runner, "req_states"):  # Model Runner V2
         if _mrv2_idx_mapping is None:
             return None  # dummy / capture runs before any real batch
         rows = _mrv2_idx_mapping[:num_reqs].long()
-        states = _runner.req_states
+        states = runner.req_states
         # prompt_len, not prefill_len: after a preemption prefill_len includes generated
         # tokens, which never start a span (the hasher counts prompt tokens only).
         return states.all_token_ids.gpu[:, ::block_size][rows], states.prompt_len.gpu[rows]
-    batch = _runner.input_batch
+    batch = runner.input_batch
     return (batch.token_ids_cpu_tensor[:num_reqs, ::block_size],
             torch.from_numpy(batch.num_prompt_tokens[:num_reqs]))
 
