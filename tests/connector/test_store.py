@@ -285,10 +285,29 @@ def test_eviction_sweeps_temp_files_of_dead_writers(tmp_path):
 
     from minipic.connector.store.eviction import evict_lru
 
-    stale, fresh = tmp_path / "a.kv.123.abc.tmp", tmp_path / "b.kv.456.def.tmp"
-    stale.write_bytes(b"x" * 10)
-    fresh.write_bytes(b"y" * 10)
+    ns_dir = open_namespace(tmp_path, NS)
+    stale = Path(block_path(ns_dir, bytes([1]) * 32, 0) + ".123.abc.tmp")
+    fresh = Path(block_path(ns_dir, bytes([2]) * 32, 0) + ".456.def.tmp")
+    for path in (stale, fresh):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 10)
     old = time.time() - 3600
     os.utime(stale, (old, old))
     evict_lru(tmp_path, max_bytes=1 << 20)
     assert not stale.exists() and fresh.exists()  # a live writer's file stays
+
+
+def test_eviction_and_verify_touch_nothing_but_block_files(tmp_path):
+    """A store_dir pointed at a folder with other files: none of them is ever removed."""
+    from minipic.cli import main
+
+    others = [tmp_path / "projects" / "model.kv", tmp_path / "projects" / "draft.tmp",
+              tmp_path / "ns-notes" / "blocks" / "readme.kv"]
+    for path in others:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"not a block")
+        os.utime(path, (1000, 1000))  # older than every block, and than STALE_TEMP_S
+    paths = _fill(tmp_path, 3)
+    assert evict_lru(tmp_path, max_bytes=0, low_watermark=1.0).removed_files == 3
+    assert main(["store", "verify", str(tmp_path), "--remove"]) == 0
+    assert all(p.exists() for p in others) and not any(os.path.exists(p) for p in paths)

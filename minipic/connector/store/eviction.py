@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from minipic.connector.store.namespace import BLOCK_SUFFIX
+from minipic.connector.store.namespace import block_key_of_path
 
 LOCK_FILE = ".evict.lock"
 LOW_WATERMARK = 0.9  # evict down to 90% so eviction does not run on every store
@@ -35,18 +35,34 @@ class BlockEntry:
     mtime: float
 
 
+def _blocks_dirs(root: str | os.PathLike) -> list[Path]:
+    """The `blocks/` folders of a store root (every namespace) or of one namespace.
+    Nothing else under the root is ever touched: a store_dir may have been pointed at
+    a folder that holds other files, some of which may even end in .kv."""
+    root = Path(root)
+    if (root / "blocks").is_dir():
+        return [root / "blocks"]
+    return sorted(d for d in root.glob("ns-*/blocks") if d.is_dir())
+
+
+def _files(root: str | os.PathLike) -> Iterator[tuple[str, str]]:
+    for blocks_dir in _blocks_dirs(root):
+        for dirpath, _, filenames in os.walk(blocks_dir):
+            for name in filenames:
+                yield dirpath, name
+
+
 def iter_blocks(root: str | os.PathLike) -> Iterator[BlockEntry]:
     """Every block file under `root` (all namespaces); vanishing files are skipped."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            if not name.endswith(BLOCK_SUFFIX):
-                continue
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                continue
-            yield BlockEntry(path, st.st_size, st.st_mtime)
+    for dirpath, name in _files(root):
+        if block_key_of_path(name) is None:
+            continue
+        path = os.path.join(dirpath, name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        yield BlockEntry(path, st.st_size, st.st_mtime)
 
 
 def store_bytes(root: str | os.PathLike) -> int:
@@ -111,16 +127,23 @@ def evict_lru(root: str | os.PathLike, max_bytes: int,
 def remove_stale_temp_files(root: str | os.PathLike, max_age_s: float = STALE_TEMP_S) -> int:
     """Delete temp files of killed writers (never renamed, never counted as blocks)."""
     removed, now = 0, time.time()
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            if not name.endswith(TEMP_SUFFIX):
-                continue
-            path = os.path.join(dirpath, name)
-            with contextlib.suppress(OSError):
-                if now - os.stat(path).st_mtime > max_age_s:
-                    os.unlink(path)
-                    removed += 1
+    for dirpath, name in _files(root):
+        if not _is_block_temp(name):
+            continue
+        path = os.path.join(dirpath, name)
+        with contextlib.suppress(OSError):
+            if now - os.stat(path).st_mtime > max_age_s:
+                os.unlink(path)
+                removed += 1
     return removed
+
+
+def _is_block_temp(name: str) -> bool:
+    """<block name>.<pid>.<random>.tmp, as block_file writes them."""
+    if not name.endswith(TEMP_SUFFIX):
+        return False
+    parts = name[:-len(TEMP_SUFFIX)].rsplit(".", 2)
+    return len(parts) == 3 and parts[1].isdigit() and block_key_of_path(parts[0]) is not None
 
 
 def touch(path: str) -> None:
