@@ -192,6 +192,8 @@ def test_stats_and_cli(tmp_path, capsys):
     (ns_dir / "stats" / "p1.json").write_text(
         '{"hit_blocks": 5, "hit_bytes": 20480, "load_jobs": 2, "load_us": 4000}')
     (ns_dir / "stats" / "p2.json").write_text('{"hit_blocks": 2}')
+    (ns_dir / "stats" / "p3.json").write_text('[]')  # not a counters file: ignored
+    (ns_dir / "stats" / "p4.json").write_text('{"hit_blocks": "many"}')
     [ns] = scan_store(tmp_path)
     assert (ns.spans, ns.blocks, ns.counters["hit_blocks"]) == (1, 3, 7)
     assert ns.bytes == 3 * (block_file.HEADER_LEN + 4096)

@@ -83,10 +83,11 @@ def _sum_counters(ns_dir: Path) -> dict[str, int]:
     for f in (ns_dir / "stats").glob("*.json"):
         try:
             data = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        for k in COUNTERS:
-            total[k] += int(data.get(k, 0))
+            counts = {k: int(data.get(k, 0)) for k in COUNTERS}
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue  # unreadable or not a counters file: it counts nothing
+        for k, n in counts.items():
+            total[k] += n
     return total
 
 
