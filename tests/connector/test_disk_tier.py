@@ -8,6 +8,8 @@ import os
 import time
 from types import SimpleNamespace
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -306,3 +308,20 @@ def test_span_head_keys():
     tokens = [3] + [9] * 31 + [9] * 32 + [3] + [9] * 31
     keys = span_head_keys(tokens, [b"a", b"b", b"c"], 32, ssep_token_id=3)
     assert keys == [make_offload_key(b"a", 0), make_offload_key(b"c", 0)]
+
+
+def test_an_unlimited_store_sweeps_dead_writers_temp_files_at_start(tmp_path):
+    first = Harness(tmp_path / "store")
+    first.tier.open(FIELDS)
+    stale = Path(first.tier.path_of(key(1)) + ".123.abc.tmp")  # a writer killed mid-write
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"half a block")
+    os.utime(stale, (1000, 1000))
+    first.tier.shutdown()
+    second = Harness(tmp_path / "store")
+    second.tier.open(FIELDS)  # no disk_max_bytes
+    deadline = time.monotonic() + 10
+    while stale.exists():
+        assert time.monotonic() < deadline, "the temp file was not swept"
+        time.sleep(0.05)
+    second.tier.shutdown()

@@ -178,8 +178,11 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._writes_off_until = 0.0 if writable else float("inf")
         self.counters = ProcessCounters(self._ns_dir if writable else None)
         logger.info("minipic store: %s (%s)", self._ns_dir, "read-write" if writable else "read-only")
-        if writable:
-            self._maybe_evict()  # the store may have been left over its limit
+        if writable and self.max_bytes is not None:
+            self._maybe_evict()  # the store may have been left over its limit (sweeps temps too)
+        elif writable:  # no limit, so no eviction: sweep killed writers' temp files at start
+            threading.Thread(target=eviction.remove_stale_temp_files, args=(self.root_dir,),
+                             name="minipic_sweep", daemon=True).start()
 
     @property
     def primary_bytes(self) -> int:
