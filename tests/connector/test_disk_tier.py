@@ -6,9 +6,8 @@ import errno
 import mmap
 import os
 import time
-from types import SimpleNamespace
-
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
