@@ -26,6 +26,7 @@ import torch
 
 from minipic.protocol import SpanProtocol
 
+
 def _no_runner() -> Any:
     return None
 
