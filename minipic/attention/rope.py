@@ -55,6 +55,14 @@ def current_rope() -> RopeParams:
     return _current
 
 
+def head_mismatch(rope: RopeParams, head_size: int) -> str | None:
+    """Why attention over heads of `head_size` cannot rotate keys with `rope`, if it cannot."""
+    if rope.head_size == head_size:
+        return None
+    return (f"the rotary embedding covers {rope.head_size} of each head's {head_size} dims "
+            "(e.g. a decoupled RoPE part, as in MiniCPM3): minipic rotates whole heads only")
+
+
 def reset_rope() -> None:
     """Forget the registered rope (a new model is being built in this process)."""
     global _current

@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from minipic.attention.backend_traits import PositionFreeTraits
 from minipic.attention.layer_check import check_current_model
-from minipic.attention.rope import current_rope
+from minipic.attention.rope import current_rope, head_mismatch
 from minipic.attention.rotation import rotate
 from minipic.attention.segments import first_visible_keys
 
@@ -111,12 +111,9 @@ class TorchPositionFreeImpl(AttentionImpl):
         """The model is built and its rotary embedding registered: refuse a model whose
         RoPE cannot move into attention now, at load time, not on its first request."""
         check_current_model()
-        rope = current_rope()  # raises for a model without RoPE
-        if rope.head_size != self.head_size:
-            raise UnsupportedAttentionError(
-                f"the rotary embedding covers {rope.head_size} of each head's "
-                f"{self.head_size} dims (e.g. a decoupled RoPE part, as in MiniCPM3): "
-                "minipic rotates whole heads only")
+        problem = head_mismatch(current_rope(), self.head_size)  # raises without a RoPE
+        if problem:
+            raise UnsupportedAttentionError(problem)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchPositionFreeMetadata | None,

@@ -25,7 +25,7 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from minipic.attention.backend_traits import PositionFreeTraits
 from minipic.attention.layer_check import check_current_model
-from minipic.attention.rope import current_rope
+from minipic.attention.rope import current_rope, head_mismatch
 from minipic.attention.segments import segment_table
 from minipic.attention.triton_kernel import (
     SPLIT_KV_MAX_TOKENS,
@@ -153,9 +153,9 @@ class MiniPICTritonImpl(TritonAttentionImpl):
         """The model's fp32 cos/sin table on `device`, checked and moved once."""
         if self._cos_sin is None or self._cos_sin.device != device:
             rope = current_rope()
-            if rope.head_size != self.head_size:
-                raise UnsupportedAttentionError(
-                    f"rotary head size {rope.head_size} != attention head size {self.head_size}")
+            problem = head_mismatch(rope, self.head_size)
+            if problem:
+                raise UnsupportedAttentionError(problem)
             table = rope.cos_sin(device)
             check_rope(self.head_size, rope.rotary_dim, table)
             self._angle_addition_ok = _angle_addition_holds_cached(rope, table)
