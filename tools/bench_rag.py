@@ -313,8 +313,8 @@ PROFILE_SKIP_STEPS, PROFILED_STEPS = 20, 5
 def step_profiler(profile_dir: str, run_name: str):
     from vllm.config import ProfilerConfig
 
-    slug = "".join(c if c.isalnum() else "_" for c in run_name)
-    return ProfilerConfig(profiler="torch", torch_profiler_dir=str(Path(profile_dir) / slug),
+    return ProfilerConfig(profiler="torch",
+                          torch_profiler_dir=str(Path(profile_dir) / slug(run_name)),
                           torch_profiler_with_stack=False, ignore_frontend=True,
                           delay_iterations=PROFILE_SKIP_STEPS, max_iterations=PROFILED_STEPS)
 
@@ -457,22 +457,27 @@ def child_main(spec_path: Path) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def slug(name: str) -> str:
+    """A run name (e.g. "5@1024/r0.3") as a file or folder name."""
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
 def run_child(spec: dict, work: Path, logs: Path, env: dict | None = None) -> dict:
     """Run one child process; its log goes to logs/, its result (or error) comes back."""
     name = spec.get("name", spec["kind"])
-    slug = "".join(c if c.isalnum() else "_" for c in name)
-    spec_path = work / f"{slug}.json"
+    stem = slug(name)
+    spec_path = work / f"{stem}.json"
     spec_path.write_text(json.dumps(spec))
     logs.mkdir(parents=True, exist_ok=True)
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, **(env or {})}
     print(f"[bench_rag] {name} ...", flush=True)
     start = time.perf_counter()
-    with open(logs / f"{slug}.log", "w") as log:
+    with open(logs / f"{stem}.log", "w") as log:
         proc = subprocess.run([sys.executable, __file__, "child", str(spec_path)], env=env,
                               stdout=subprocess.PIPE, stderr=log, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        tail = (logs / f"{slug}.log").read_text()[-3000:]
+        tail = (logs / f"{stem}.log").read_text()[-3000:]
         print(f"[bench_rag] {name} failed (rc {proc.returncode}):\n{tail}", file=sys.stderr)
         return {"name": name, "error": tail}
     print(f"[bench_rag] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
