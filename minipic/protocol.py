@@ -13,9 +13,10 @@ import re
 from typing import Any, Mapping, Sequence
 
 # Tokenizers such as Llama-3's ship reserved special tokens that no text ever
-# produces; they make safe markers. We pick the three lowest-numbered ones.
+# produces; they make safe markers. We pick the lowest-numbered ones.
 _RESERVED_TOKEN = re.compile(r"reserved", re.IGNORECASE)
 _FIELDS = ("ssep_token_id", "pdep_token_id", "pad_token_id")
+_OPTIONAL_FIELDS = ("link_token_id",)  # EPIC link blocks need it; protocols without it refuse them
 
 
 class SpanProtocolError(ValueError):
@@ -29,27 +30,43 @@ class MisplacedMarkerError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SpanProtocol:
     """Marker token ids. SSep starts an independent span, PDep starts a block
-    that depends on everything before it, padding fills spans to a block boundary."""
+    that depends on everything before it, padding fills spans to a block boundary.
+    A link block (EPIC) carries the first block(s) of the k-th span again, computed
+    in context at that span's positions (see minipic.attention.segments)."""
 
     ssep_token_id: int
     pdep_token_id: int
     pad_token_id: int
+    link_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        ids = [getattr(self, f) for f in _FIELDS]
-        if any(not isinstance(i, int) or i < 0 for i in ids):
+        ids = [getattr(self, f) for f in self.fields()]
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
             raise SpanProtocolError(f"marker ids must be non-negative ints, got {ids}")
-        if len({self.ssep_token_id, self.pdep_token_id}) != 2:
-            raise SpanProtocolError("SSep and PDep must be different tokens")
-        if self.pad_token_id in (self.ssep_token_id, self.pdep_token_id):
-            raise SpanProtocolError("the padding token must differ from SSep and PDep")
+        if len(set(ids)) != len(ids):
+            raise SpanProtocolError(f"SSep, PDep, padding and link must be different tokens, "
+                                    f"got {self.to_dict()}")
+
+    def fields(self) -> tuple[str, ...]:
+        """The names of the ids this protocol sets."""
+        return _FIELDS + tuple(f for f in _OPTIONAL_FIELDS if getattr(self, f) is not None)
 
     @property
     def markers(self) -> frozenset[int]:
-        return frozenset((self.ssep_token_id, self.pdep_token_id))
+        """Tokens that act at a block start: SSep, PDep and link."""
+        found = (self.ssep_token_id, self.pdep_token_id, self.link_token_id)
+        return frozenset(t for t in found if t is not None)
+
+    def marker_names(self) -> dict[int, str]:
+        names = {self.ssep_token_id: "SSep", self.pdep_token_id: "PDep"}
+        if self.link_token_id is not None:
+            names[self.link_token_id] = "link"
+        return names
 
     def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        # Only the ids set: a protocol without link ids keeps its pre-link form
+        # (store namespaces and manifests name it).
+        return {f: getattr(self, f) for f in self.fields()}
 
     def check_marker_placement(self, token_ids: Sequence[int], block_size: int) -> None:
         """Raise MisplacedMarkerError if SSep or PDep sits anywhere but at a block start.
@@ -59,7 +76,7 @@ class SpanProtocol:
         miss (or its task be hashed as part of a span). `list.index` scans in C: a
         10k-token prompt costs microseconds, checked for every request."""
         tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
-        for marker, name in ((self.ssep_token_id, "SSep"), (self.pdep_token_id, "PDep")):
+        for marker, name in self.marker_names().items():
             position = -1
             while True:
                 try:
@@ -72,27 +89,79 @@ class SpanProtocol:
                         f"{marker}), which must start a KV block (block size {block_size}): "
                         "pad before it to the block boundary (minipic.client's prompt "
                         "builders do), or remove it from the text")
+        check_links(tokens[::block_size], self, block_size)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SpanProtocol":
         missing = [f for f in _FIELDS if f not in data]
         if missing:
             raise SpanProtocolError(f"span protocol lacks {missing}")
-        return cls(**{f: int(data[f]) for f in _FIELDS})
+        present = [f for f in _FIELDS + _OPTIONAL_FIELDS if data.get(f) is not None]
+        return cls(**{f: _as_id(data[f], f) for f in present})
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> "SpanProtocol":
-        """Default markers: the tokenizer's three lowest reserved special tokens."""
+        """Default markers: the tokenizer's lowest reserved special tokens (SSep, PDep,
+        padding, and link when there is a fourth)."""
         added = tokenizer.get_added_vocab()  # {token: id}, HF tokenizers API
         reserved = sorted(i for tok, i in added.items() if _RESERVED_TOKEN.search(tok))
         if len(reserved) < 3:
             name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
             raise SpanProtocolError(
                 f"tokenizer {name!r} has {len(reserved)} reserved special tokens, "
-                "minipic needs 3 unused ids for SSep, PDep and padding: name them "
-                "with ssep_token_id, pdep_token_id and pad_token_id in minipic's config"
+                "minipic needs 4 unused ids for SSep, PDep, padding and EPIC links: name "
+                "them with ssep_token_id, pdep_token_id, pad_token_id and link_token_id "
+                "in minipic's config"
             )
-        return cls(*reserved[:3])
+        return cls(*reserved[:4])
+
+
+def _as_id(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SpanProtocolError(f"{field} must be a token id, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise SpanProtocolError(f"{field} must be a token id, got {value!r}") from None
+
+
+def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
+                block_size: int) -> None:
+    """Raise MisplacedMarkerError unless every link segment has a span to stand for.
+
+    The k-th link segment (a link block and the plain blocks after it) replaces the
+    first blocks of the k-th SSep span, so that span must come before it and be at
+    least as long. Anything else would leave link tokens without a position."""
+    if protocol.link_token_id is None:
+        return
+    spans: list[int] = []  # length in blocks of each SSep span so far
+    links = 0
+    kind = None
+    link_start = 0
+    for block, first in enumerate(list(block_first_tokens) + [protocol.pdep_token_id]):
+        if first in protocol.markers:
+            if kind == "link":
+                _check_link_fits(links, block - link_start, spans, link_start, block_size)
+            kind = {protocol.ssep_token_id: "span", protocol.link_token_id: "link"}.get(first)
+            if kind == "span":
+                spans.append(0)
+            elif kind == "link":
+                links, link_start = links + 1, block
+                if links > len(spans):
+                    raise MisplacedMarkerError(
+                        f"prompt token {block * block_size} starts link block {links}, but only "
+                        f"{len(spans)} SSep span(s) come before it: link k carries the first "
+                        "block of the k-th span and must follow it")
+        if kind == "span":
+            spans[-1] += 1
+
+
+def _check_link_fits(link: int, length: int, spans: list[int], start: int,
+                     block_size: int) -> None:
+    if length > spans[link - 1]:
+        raise MisplacedMarkerError(
+            f"prompt token {start * block_size} starts link block {link}, {length} blocks long, "
+            f"but span {link} is {spans[link - 1]} blocks: a link may replace at most its span")
 
 
 def resolve_span_protocol(options: Mapping[str, Any], tokenizer_path: str | None,

@@ -3,18 +3,23 @@
 import pytest
 import torch
 
-from minipic.attention.segments import segment_start_table
+from minipic.attention.segments import HIDDEN, first_key_table, span_layout, visible_keys
 from minipic.protocol import SpanProtocol
 
-P = SpanProtocol(ssep_token_id=3, pdep_token_id=4, pad_token_id=5)
+P = SpanProtocol(ssep_token_id=3, pdep_token_id=4, pad_token_id=5, link_token_id=6)
+
+
+def layout(*rows, block_size=32, prompt_lens=None):
+    return span_layout(torch.tensor(rows), P, block_size, prompt_lens)
 
 
 def table(*rows, block_size=32):
-    return segment_start_table(torch.tensor(rows), P, block_size).tolist()
+    return first_key_table(layout(*rows, block_size=block_size), block_size).tolist()
 
 
 def test_no_markers_sees_everything():
     assert table([10, 11, 12]) == [[0, 0, 0]]
+    assert layout([10, 11, 12]).is_plain()
 
 
 def test_ssep_segments_and_pdep_reset():
@@ -28,8 +33,31 @@ def test_rows_are_independent_and_span_at_block_zero():
 
 def test_markers_in_generated_tokens_are_ignored():
     firsts = torch.tensor([[1, 3, 50, 3]])  # the second SSep is a generated token
-    starts = segment_start_table(firsts, P, 32, prompt_lens=torch.tensor([96]))
-    assert starts.tolist() == [[0, 32, 32, 32]]
+    found = span_layout(firsts, P, 32, prompt_lens=torch.tensor([96]))
+    assert first_key_table(found, 32).tolist() == [[0, 32, 32, 32]]
+
+
+def test_links_carry_their_spans_heads():
+    # header, span 1 (blocks 1-2), span 2 (3-5), link 1, link 2 (2 blocks), PDep task
+    found = layout([1, 3, 9, 3, 9, 9, 6, 6, 9, 4], block_size=16)
+    assert found.span_of.tolist() == [[-1, 1, 1, 3, 3, 3, -1, -1, -1, -1]]
+    # links take the positions of the blocks they carry; those blocks are hidden
+    assert found.context_pos.tolist() == [[0, HIDDEN, 32, HIDDEN, HIDDEN, 80,
+                                           16, 48, 64, 144]]
+    assert found.shift.tolist() == [[0, 0, 0, 0, 0, 0, 80, 64, 64, 0]]
+
+
+def test_link_queries_see_what_precedes_them_logically():
+    # block size 2: header (0-1), span 1 (2-5), span 2 (6-7), link 1 (8-9), task (10)
+    found = layout([1, 3, 9, 3, 6, 4], block_size=2)
+    seen = visible_keys(found, 0, seq_len=11, num_queries=11, block_size=2)
+    sees = {q: [k for k in range(11) if seen[q, k]] for q in range(11)}
+    assert sees[5] == [2, 3, 4, 5]  # span 1's tail sees its own (solo) head
+    assert sees[7] == [6, 7]  # span 2 alone
+    assert sees[8] == [0, 1, 8]  # link 1: the header, then itself
+    assert sees[9] == [0, 1, 8, 9]
+    # the task: everything but span 1's solo head, replaced by link 1
+    assert sees[10] == [0, 1, 4, 5, 6, 7, 8, 9, 10]
 
 
 def test_a_second_live_engine_in_one_process_is_refused():

@@ -159,22 +159,26 @@ def test_vllm_and_openai_prompts(tokenizer, protocol):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_epic_layout(tokenizer, protocol, k):
-    body = ids(tokenizer, DOCS[1])  # 10 tokens
-    short = ids(tokenizer, DOCS[2])  # 1 token: fits in the head
-    p = epic([DOCS[1], DOCS[2]], TASK, recompute_blocks=k, system=SYSTEM, protocol=protocol,
+    long, short = DOCS[1], DOCS[2]  # 10 tokens (3 blocks as a span), 1 token (1 block)
+    p = epic([long, short], TASK, recompute_blocks=k, system=SYSTEM, protocol=protocol,
              block_size=B, tokenizer=tokenizer)
     header = p.span_prefills[0]
-    head_len = k * B - 1
-    head = [protocol.pdep_token_id, *body[:head_len]]
-    span = make_span(body[head_len:], protocol, B)
-    short_head = pad_to_block([protocol.pdep_token_id, *short], B, protocol.pad_token_id)
+    spans = [make_span(ids(tokenizer, d), protocol, B) for d in (long, short)]
+    links = [[protocol.link_token_id, *span[1:k * B]] for span in spans]
     task = make_task(ids(tokenizer, TASK), protocol)
-    assert len(head) == k * B
-    assert p.final == header + head + span + short_head + task
-    assert p.span_prefills == [header, span]  # the short doc has nothing to prefill
+    assert p.final == header + spans[0] + spans[1] + links[0] + links[1] + task
+    assert len(links[0]) == k * B and len(links[1]) == B  # a link never outgrows its span
+    assert p.span_prefills == [header, *spans]
     assert all(i % B == 0 for i in marker_positions(p.final, protocol))
-    # The recomputed head cannot hit, and vLLM's hits stop at the first miss.
-    assert p.expected_cached_tokens == len(header)
+    # Header and every span are one contiguous hit; links and the task are computed.
+    assert p.expected_cached_tokens == len(header) + len(spans[0]) + len(spans[1])
+
+
+def test_epic_needs_a_link_marker(tokenizer, protocol):
+    without_link = SpanProtocol(protocol.ssep_token_id, protocol.pdep_token_id,
+                                protocol.pad_token_id)
+    with pytest.raises(SpanPromptError, match="link_token_id"):
+        epic(DOCS, TASK, protocol=without_link, block_size=B, tokenizer=tokenizer)
 
 
 def test_epic_without_recompute_is_block_attention(tokenizer, protocol):
@@ -250,11 +254,11 @@ def test_bad_block_size(protocol, bad, match):
     (dict(recompute_blocks=-1, block_size=B), "recompute_blocks must be an int >= 0"),
     (dict(recompute_blocks=1, block_size=None), "block_size is required"),
 ])
-def test_epic_document_checks_its_arguments(protocol, kwargs, match):
-    from minipic.client.recipes import epic_document
+def test_epic_link_checks_its_arguments(protocol, kwargs, match):
+    from minipic.client import epic_link
 
     with pytest.raises(SpanPromptError, match=match):
-        epic_document([7, 8, 9], protocol=protocol, **kwargs)
+        epic_link(make_span([7, 8, 9], protocol, B), protocol=protocol, **kwargs)
 
 
 def test_marker_in_bodies(tokenizer, protocol):
@@ -286,9 +290,8 @@ def test_bad_documents(tokenizer, protocol):
         block_attention([[1.5, 2]], TASK, **kwargs)
     with pytest.raises(SpanPromptError, match="recompute_blocks"):
         epic(DOCS, TASK, recompute_blocks=-1, **kwargs)
-    span = make_span([7, 8], protocol, B)
-    with pytest.raises(SpanPromptError, match="document 0 is a pre-built span: EPIC"):
-        epic([span], TASK, **kwargs)
+    with pytest.raises(SpanPromptError, match="document 0 contains the link"):
+        epic([[7, protocol.link_token_id]], TASK, **kwargs)
 
 
 def test_bad_prebuilt_spans(protocol):
@@ -379,20 +382,21 @@ def test_pdep_hash_depends_on_documents(tokenizer, protocol, engine_hashes):
         pdep_block_hash(block_attention(DOCS, task, **kwargs), engine_hashes, protocol)
 
 
-def test_epic_heads_depend_on_context_spans_do_not(tokenizer, protocol, engine_hashes):
-    """Why EPIC heads start with PDep: DOCS[1]'s head follows document 0's last SSep
-    block in both prompts; plainly chained it would hash the same after either
-    system prompt (a false hit). With PDep it differs; the span part still matches."""
+def test_epic_links_depend_on_context_spans_do_not(tokenizer, protocol, engine_hashes):
+    """Links are computed in context, so they hash over everything before them (a
+    link hashed like a plain block would hit after another system prompt or other
+    documents: a false hit); the spans hash the same in every prompt."""
     kwargs = dict(protocol=protocol, block_size=B, tokenizer=tokenizer, recompute_blocks=2)
-    docs = [" ".join(f"w{i}" for i in range(12)), DOCS[1]]  # both longer than the head
+    docs = [" ".join(f"w{i}" for i in range(12)), DOCS[1]]
     prompts = [epic(docs, TASK, system=system, **kwargs) for system in (SYSTEM, "you are")]
-    span = prompts[0].span_prefills[-1]  # DOCS[1]'s rest
-    heads = []
+    prompts.append(epic([docs[0], DOCS[0]], TASK, system=SYSTEM, **kwargs))
+    link_hashes = []
     for p in prompts:
-        assert p.span_prefills[-1] == span
-        (offset,) = find_slice(p.final, span, B)
         hashes = engine_hashes(p.final, B)
-        assert hashes[offset // B:(offset + len(span)) // B] == engine_hashes(span, B)
-        heads.append(hashes[offset // B - 2:offset // B])
-        assert p.final[offset - 2 * B] == protocol.pdep_token_id
-    assert heads[0][0] != heads[1][0] and heads[0][1] != heads[1][1]
+        for span in p.span_prefills[1:]:
+            (offset,) = find_slice(p.final, span, B)
+            assert hashes[offset // B:(offset + len(span)) // B] == engine_hashes(span, B)
+        first_link = p.final.index(protocol.link_token_id) // B
+        link_hashes.append(hashes[first_link:first_link + 2])  # docs[0]'s link, 2 blocks
+    assert len({h for hs in link_hashes for h in hs}) == 6  # all differ
+    assert p.expected_cached_tokens == first_link * B

@@ -6,14 +6,17 @@ import torch
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-           rotary_dim: int, is_neox_style: bool) -> torch.Tensor:
+           rotary_dim: int, is_neox_style: bool, backwards: bool = False) -> torch.Tensor:
     """Apply RoPE to `x` [tokens, heads, head_size] at `positions` [tokens].
 
     `cos_sin` is [max_positions, rotary_dim] = cat(cos, sin), as in vLLM's
     `cos_sin_cache`. Dimensions past `rotary_dim` pass through. Returns fp32.
+    `backwards` rotates by -positions (R(p) is orthogonal: its inverse is R(-p)).
     """
     x = x.float()
-    cos, sin = cos_sin.index_select(0, positions).float().chunk(2, dim=-1)
+    cos, sin = cos_sin.index_select(0, positions.long()).float().chunk(2, dim=-1)
+    if backwards:
+        sin = -sin
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     if is_neox_style:
@@ -25,3 +28,9 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return torch.cat((rotated, x_pass), dim=-1)
+
+
+def turn_back(x: torch.Tensor, shifts: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
+              is_neox_style: bool) -> torch.Tensor:
+    """Rotate `x` [tokens, heads, head_size] by -shifts [tokens] (fp32)."""
+    return rotate(x, shifts, cos_sin, rotary_dim, is_neox_style, backwards=True)

@@ -1,4 +1,4 @@
-"""Worker side: span segments, i.e. the first key each query may attend to.
+"""Worker side: span segments and link blocks, i.e. which keys each query may attend to.
 
 An SSep block's hash says "my KV depends only on the tokens from my span's
 SSep block on". Attention makes that true: a query inside an SSep span sees
@@ -7,6 +7,11 @@ before it, sees everything before it (stock causal attention). So a span
 computed inside a final prompt (because it missed) gets exactly the KV it
 would get prefilled alone, and whatever lands in the cache under an SSep hash
 is honest, whatever order requests come in.
+
+EPIC link blocks (minipic.client.recipes.epic): the k-th link segment carries the
+first block(s) of the k-th span again, computed in context at that span's logical
+positions; every query outside spans then sees the link in place of the span's
+own (solo) head. See `SpanLayout` for the rules.
 
 Attention metadata carries no token ids, so the marker blocks are read from
 the model runner's own per-request token table:
@@ -18,6 +23,7 @@ the model runner's own per-request token table:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from typing import Any, Callable
@@ -65,25 +71,86 @@ def note_mrv2_batch(idx_mapping: torch.Tensor) -> None:
     _mrv2_idx_mapping = idx_mapping
 
 
-def segment_start_table(block_first_tokens: torch.Tensor, protocol: SpanProtocol,
-                        block_size: int, prompt_lens: torch.Tensor | None = None
-                        ) -> torch.Tensor:
-    """[reqs, blocks] first tokens -> [reqs, blocks] first key position each block may see.
+# A block no context query may see (a span head replaced by its link), as a
+# logical position past any sequence.
+HIDDEN = 1 << 30
+
+
+@dataclasses.dataclass
+class SpanLayout:
+    """Per (request, block) of a batch, what attention needs to know; int32 [reqs, blocks].
+
+    span_of[r, b]      the block index of the SSep block starting b's span, -1 when
+                       b is not inside an SSep span (header, PDep task, link, plain):
+                       a query in a span sees keys of its own span only.
+    context_pos[r, b]  the logical position of b's first token as a query outside
+                       spans sees it: b * block_size, except that a link block takes
+                       the position of the span block it carries, and that span
+                       block is HIDDEN. Such a query sees keys at logical positions
+                       up to its own (and never keys after it in the sequence).
+    shift[r, b]        physical minus logical position of b's tokens: non-zero for
+                       link blocks only. Their Q and K are turned back by it, so K
+                       stays position-free at its physical index.
+    """
+
+    span_of: torch.Tensor
+    context_pos: torch.Tensor
+    shift: torch.Tensor
+
+    def has_links(self) -> bool:
+        return bool(self.shift.any())
+
+    def is_plain(self) -> bool:
+        """Stock causal attention: no spans, no links."""
+        return not bool((self.span_of >= 0).any()) and not self.has_links()
+
+
+def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_size: int,
+                prompt_lens: torch.Tensor | None = None) -> SpanLayout:
+    """[reqs, blocks] first tokens -> the batch's SpanLayout.
 
     Markers count in the prompt only (`prompt_lens` [reqs]), as in the block hasher.
+    The k-th link segment (a link block and the plain blocks after it) stands for
+    the first blocks of the k-th SSep span; the front end refuses prompts where that
+    span is missing or shorter (protocol.check_links), here they are only clamped.
     """
-    num_blocks = block_first_tokens.shape[1]
-    block_index = torch.arange(num_blocks, device=block_first_tokens.device)
-    is_ssep = block_first_tokens == protocol.ssep_token_id
-    resets = is_ssep | (block_first_tokens == protocol.pdep_token_id)
+    firsts = block_first_tokens
+    num_reqs, num_blocks = firsts.shape
+    block = torch.arange(num_blocks, device=firsts.device).expand(num_reqs, -1)
+    in_prompt = torch.ones_like(firsts, dtype=torch.bool)
     if prompt_lens is not None:
-        in_prompt = block_index[None, :] * block_size < prompt_lens.to(block_index.device)[:, None]
-        is_ssep, resets = is_ssep & in_prompt, resets & in_prompt
-    # SSep starts a segment at its own block; PDep restarts "see everything" (0).
-    reset_value = torch.where(is_ssep, block_index * block_size, 0)
-    last_reset = torch.where(resets, block_index, -1).cummax(dim=1).values
-    starts = reset_value.gather(1, last_reset.clamp(min=0))
-    return torch.where(last_reset >= 0, starts, 0).to(torch.int32)
+        in_prompt = block * block_size < prompt_lens.to(firsts.device)[:, None]
+    is_ssep = (firsts == protocol.ssep_token_id) & in_prompt
+    is_link = torch.zeros_like(is_ssep)
+    if protocol.link_token_id is not None:
+        is_link = (firsts == protocol.link_token_id) & in_prompt
+    is_marker = is_ssep | is_link | ((firsts == protocol.pdep_token_id) & in_prompt)
+    # The marker block that starts each block's segment (-1: none yet).
+    last = torch.where(is_marker, block, -1).cummax(dim=1).values
+    opened = last >= 0
+    last_index = last.clamp(min=0)
+    in_span = is_ssep.gather(1, last_index) & opened
+    in_link = is_link.gather(1, last_index) & opened
+    span_of = torch.where(in_span, last, -1)
+    carried = _carried_span_block(block, last_index, is_ssep, is_link, in_link)
+    context_block = torch.where(in_link, carried, block)
+    hidden = torch.zeros(num_reqs, num_blocks + 1, dtype=torch.bool, device=firsts.device)
+    hidden.scatter_(1, torch.where(in_link, carried, num_blocks), True)
+    context_pos = torch.where(hidden[:, :num_blocks], HIDDEN, context_block * block_size)
+    return SpanLayout(span_of.to(torch.int32), context_pos.to(torch.int32),
+                      ((block - context_block) * block_size).to(torch.int32))
+
+
+def _carried_span_block(block, last_index, is_ssep, is_link, in_link) -> torch.Tensor:
+    """For blocks of the k-th link segment, the block of the k-th span they carry."""
+    num_reqs, num_blocks = block.shape
+    span_ordinal = is_ssep.cumsum(dim=1)  # 1 for the first span's SSep block, ...
+    first_block_of_span = torch.full((num_reqs, num_blocks + 1), num_blocks, device=block.device)
+    first_block_of_span.scatter_(1, torch.where(is_ssep, span_ordinal, 0),
+                                 torch.where(is_ssep, block, num_blocks))
+    link_ordinal = is_link.cumsum(dim=1).gather(1, last_index)
+    carried = first_block_of_span.gather(1, link_ordinal.clamp(max=num_blocks)) + block - last_index
+    return torch.where(in_link, carried.clamp(max=num_blocks), block)
 
 
 def _block_first_tokens(num_reqs: int, block_size: int
@@ -105,24 +172,54 @@ def _block_first_tokens(num_reqs: int, block_size: int
             torch.from_numpy(batch.num_prompt_tokens[:num_reqs]))
 
 
-def segment_table(num_reqs: int, block_size: int) -> torch.Tensor | None:
-    """First visible key per (request, block) of the current batch; None if unknown."""
+def current_layout(num_reqs: int, block_size: int) -> SpanLayout | None:
+    """The SpanLayout of the batch being built; None if unknown (dummy runs)."""
     found = _block_first_tokens(num_reqs, block_size)
     if found is None:
         return None
     firsts, prompt_lens = found
-    return segment_start_table(firsts, _protocol, block_size, prompt_lens)
+    return span_layout(firsts, _protocol, block_size, prompt_lens)
 
 
-def first_visible_keys(query_start_loc: list[int], seq_lens: list[int],
-                       block_size: int) -> list[torch.Tensor | None]:
-    """Per request, the first visible key of each query token (None: plain causal)."""
-    table = segment_table(len(seq_lens), block_size)
-    if table is None or not table.any():
-        return [None] * len(seq_lens)
-    result: list[torch.Tensor | None] = []
+def query_blocks(query_start_loc: list[int], seq_lens: list[int], block_size: int,
+                 device: torch.device | None = None) -> list[torch.Tensor]:
+    """Per request, the block index of each of its query tokens (the last ones of its sequence)."""
+    result = []
     for i, seq_len in enumerate(seq_lens):
         num_queries = query_start_loc[i + 1] - query_start_loc[i]
-        query_blocks = torch.arange(seq_len - num_queries, seq_len) // block_size
-        result.append(table[i, query_blocks.to(table.device)])
+        result.append(torch.arange(seq_len - num_queries, seq_len, device=device) // block_size)
     return result
+
+
+def token_shifts(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
+                 block_size: int) -> torch.Tensor | None:
+    """Per token of the batch, its link shift (see SpanLayout); None when all are 0."""
+    if not layout.has_links():
+        return None
+    device = layout.shift.device
+    blocks = query_blocks(query_start_loc, seq_lens, block_size, device)
+    return torch.cat([layout.shift[i, b] for i, b in enumerate(blocks)])
+
+
+def visible_keys(layout: SpanLayout, row: int, seq_len: int, num_queries: int,
+                 block_size: int) -> torch.Tensor:
+    """[num_queries, seq_len] bool: which keys each query token of request `row` sees.
+
+    The rules of SpanLayout, spelled out for the torch backend (the Triton kernel
+    applies the same per tile)."""
+    device = layout.span_of.device
+    key_pos = torch.arange(seq_len, device=device)
+    key_block, offset = key_pos // block_size, key_pos % block_size
+    span = layout.span_of[row, key_block]
+    context = layout.context_pos[row, key_block] + offset
+    q = slice(seq_len - num_queries, seq_len)
+    q_span, q_context = span[q, None], context[q, None]
+    same_span = span[None, :] == q_span
+    visible = torch.where(q_span >= 0, same_span, context[None, :] <= q_context)
+    return visible & (key_pos[None, :] <= key_pos[q, None])
+
+
+def first_key_table(layout: SpanLayout, block_size: int) -> torch.Tensor:
+    """[reqs, blocks] first key each block's queries see: the span rules without links
+    (what minipic's Triton kernel implements)."""
+    return torch.where(layout.span_of >= 0, layout.span_of * block_size, 0).to(torch.int32)

@@ -27,8 +27,8 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from minipic.attention.backend_traits import PositionFreeTraits
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.rotation import rotate
-from minipic.attention.segments import first_visible_keys
+from minipic.attention.rotation import rotate, turn_back
+from minipic.attention.segments import SpanLayout, current_layout, token_shifts, visible_keys
 
 
 class UnsupportedAttentionError(ValueError):
@@ -58,8 +58,9 @@ class TorchPositionFreeMetadata:
     query_start_loc: list[int]  # host lists: the torch loop indexes per request
     seq_lens: list[int]
     block_table: torch.Tensor  # [num_reqs, max_blocks]
-    # Per request: first key each query may see (SSep segments), None = 0.
-    first_keys: list[torch.Tensor | None] | None = None
+    block_size: int
+    layout: SpanLayout | None = None  # spans and links; None: plain causal attention
+    token_shift: torch.Tensor | None = None  # [num_tokens] link shifts; None: all 0
 
 
 class TorchPositionFreeMetadataBuilder(AttentionMetadataBuilder[TorchPositionFreeMetadata]):
@@ -71,13 +72,19 @@ class TorchPositionFreeMetadataBuilder(AttentionMetadataBuilder[TorchPositionFre
         m = common_attn_metadata
         query_start_loc = m.query_start_loc.tolist()
         seq_lens = m.seq_lens[: m.num_reqs].tolist()
+        block_size = self.kv_cache_spec.block_size
+        layout = current_layout(m.num_reqs, block_size)
+        if layout is not None and layout.is_plain():
+            layout = None
         return TorchPositionFreeMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=m.block_table_tensor,
-            first_keys=first_visible_keys(query_start_loc, seq_lens,
-                                          self.kv_cache_spec.block_size),
+            block_size=block_size,
+            layout=layout,
+            token_shift=None if layout is None else token_shifts(
+                layout, query_start_loc, seq_lens, block_size),
         )
 
 
@@ -99,6 +106,7 @@ class TorchPositionFreeImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        key = turn_back_links(key, _metadata_of(layer))
         valid = slot_mapping >= 0  # tokens whose KV is not kept have slot -1, anywhere
         slots = slot_mapping[valid].long()
         block_size = kv_cache.shape[2]
@@ -123,20 +131,46 @@ class TorchPositionFreeImpl(AttentionImpl):
             raise NotImplementedError("minipic's torch backend has no fused output quantization")
         if attn_metadata is None:  # profiling run
             return output
+        md = attn_metadata
         out = output.view(-1, self.num_heads, self.head_size)
-        q_all = query.view(-1, self.num_heads, self.head_size)
+        q_all = turn_back_links(query, md).view(-1, self.num_heads, self.head_size)
         rope = current_rope()
         cos_sin = rope.cos_sin(query.device)
-        qsl = attn_metadata.query_start_loc
-        first_keys = attn_metadata.first_keys or [None] * len(attn_metadata.seq_lens)
-        for i, seq_len in enumerate(attn_metadata.seq_lens):
+        qsl = md.query_start_loc
+        for i, seq_len in enumerate(md.seq_lens):
             q = q_all[qsl[i] : qsl[i + 1]]
-            k, v = gather_request_kv(kv_cache, attn_metadata.block_table[i], seq_len, self.head_size)
+            k, v = gather_request_kv(kv_cache, md.block_table[i], seq_len, self.head_size)
             k = rotate(k, torch.arange(seq_len, device=k.device), cos_sin,
                        rope.rotary_dim, rope.is_neox_style)
+            visible = None if md.layout is None else visible_keys(
+                md.layout, i, seq_len, len(q), md.block_size)
             out[qsl[i] : qsl[i + 1]] = causal_attention(
-                q, k, v, self.scale, self.logits_soft_cap, first_keys[i]).to(out.dtype)
+                q, k, v, self.scale, self.logits_soft_cap, visible).to(out.dtype)
         return output
+
+
+def _metadata_of(layer) -> TorchPositionFreeMetadata | None:
+    """The batch's metadata for `layer` (vLLM's KV update op is handed none)."""
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    return metadata.get(layer.layer_name) if isinstance(metadata, dict) else metadata
+
+
+def turn_back_links(x: torch.Tensor, md: TorchPositionFreeMetadata | None) -> torch.Tensor:
+    """Q or K of the batch with link tokens turned back by their shift.
+
+    Q arrives rotated at its physical position; a link token sits at an earlier
+    logical one. Turning both its Q and its (unrotated) K back by the shift keeps
+    K position-free at the physical index, where attention rotates every key."""
+    if md is None or md.token_shift is None:
+        return x
+    rope = current_rope()
+    n = md.token_shift.shape[0]
+    heads = x[:n].view(n, -1, rope.head_size)
+    turned = turn_back(heads, md.token_shift.to(x.device), rope.cos_sin(x.device),
+                       rope.rotary_dim, rope.is_neox_style).to(x.dtype)
+    return torch.cat((turned.view(n, *x.shape[1:]), x[n:]))
 
 
 def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
@@ -151,13 +185,13 @@ def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: 
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     soft_cap: float = 0.0, first_key: torch.Tensor | None = None
+                     soft_cap: float = 0.0, visible: torch.Tensor | None = None
                      ) -> torch.Tensor:
     """Attention of the last len(q) positions over all len(k) keys, fp32.
 
     q [T, Hq, D] (rotated), k [S, Hkv, D] (rotated), v [S, Hkv, D]; query t sits
-    at position S - T + t and sees keys first_key[t]..S-T+t (cached prefix plus
-    causal, cut at the start of its span segment when given).
+    at position S - T + t and sees keys 0..S-T+t (cached prefix plus causal), or
+    the keys `visible` [T, S] allows (segments.visible_keys).
     """
     t, s = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]  # GQA/MQA: query heads per kv head
@@ -166,11 +200,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     scores = torch.einsum("thd,shd->hts", q.float(), k) * scale
     if soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    q_pos = torch.arange(s - t, s, device=q.device)[:, None]
-    key_pos = torch.arange(s, device=q.device)[None, :]
-    visible = key_pos <= q_pos
-    if first_key is not None:
-        visible &= key_pos >= first_key.to(q.device)[:, None]
+    if visible is None:
+        q_pos = torch.arange(s - t, s, device=q.device)[:, None]
+        visible = torch.arange(s, device=q.device)[None, :] <= q_pos
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hts,shd->thd", scores.softmax(dim=-1), v)
 

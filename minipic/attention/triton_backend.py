@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.triton_attn import (
 from minipic.attention.backend_traits import PositionFreeTraits
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.segments import segment_table
+from minipic.attention.segments import current_layout, first_key_table
 from minipic.attention.triton_kernel import (
     SPLIT_KV_MAX_TOKENS,
     angle_addition_holds,
@@ -86,8 +86,12 @@ class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        table = None if capturing else segment_table(common_attn_metadata.num_reqs,
-                                                     self.block_size)
+        layout = None if capturing else current_layout(common_attn_metadata.num_reqs,
+                                                       self.block_size)
+        if layout is not None and layout.has_links():
+            raise UnsupportedAttentionError(
+                "EPIC link blocks are not implemented in minipic's Triton attention yet")
+        table = None if layout is None else first_key_table(layout, self.block_size)
         if table is not None:
             self.segment_starts[: table.shape[0], : table.shape[1]].copy_(table, non_blocking=True)
         metadata.minipic_segment_starts = self.segment_starts

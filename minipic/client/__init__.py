@@ -8,7 +8,7 @@
 """
 
 from minipic.client.prompt_cache import PromptCache, Text
-from minipic.client.recipes import block_attention, epic, epic_document
+from minipic.client.recipes import block_attention, epic, epic_link
 from minipic.client.span_prompt import (
     SpanPrompt, SpanPromptError, check_block_size, check_span, make_span, make_task,
     pad_to_block, tokens_prompt,
@@ -16,7 +16,7 @@ from minipic.client.span_prompt import (
 
 __all__ = [
     "PromptCache", "SpanPrompt", "SpanPromptError", "Text", "block_attention",
-    "check_block_size", "check_span", "epic", "epic_document", "make_span", "make_task",
+    "check_block_size", "check_span", "epic", "epic_link", "make_span", "make_task",
     "pad_to_block", "tokens_prompt",
 ]
 

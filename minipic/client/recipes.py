@@ -1,8 +1,8 @@
 """RAG recipes: Block-Attention and EPIC prompts from documents and a task.
 
 Both lay the final prompt out as
-    [BOS + system + pad] [document 0] [document 1] ... [PDep + task]
-and differ only in how a document is laid out. The header (when there is a
+    [BOS + system + pad] [SSep document 0] [SSep document 1] ... [PDep + task]
+and EPIC adds a link segment per document before the task (see `epic`). The header (when there is a
 BOS or a system prompt) is chained normally from block 0 and is a prefill
 request of its own, so it hits too; the task is never padded (generation
 follows it) and never hits (PDep).
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from minipic.client.span_prompt import (
-    SpanPrompt, SpanPromptError, TextOrTokens, bos_of, check_block_size, check_body,
-    make_header, make_span, make_task, pad_to_block, span_from, to_tokens,
+    SpanPrompt, SpanPromptError, TextOrTokens, bos_of, check_block_size, make_header,
+    make_task, span_from, to_tokens,
 )
 from minipic.protocol import SpanProtocol
 
@@ -56,33 +56,24 @@ def block_attention(docs: Sequence[TextOrTokens], task: TextOrTokens, *,
     return _assemble(header, spans, spans, task, tokenizer, protocol, block_size)
 
 
-def epic_document(body: Sequence[int], recompute_blocks: int, protocol: SpanProtocol,
-                  block_size: int, where: str = "document") -> tuple[list[int], list[int] | None]:
-    """(recomputed head, SSep span or None) for one EPIC document.
+def epic_link(span: Sequence[int], recompute_blocks: int, protocol: SpanProtocol,
+              block_size: int) -> list[int]:
+    """The link segment of one span: its first `recompute_blocks` blocks (all of them
+    when it is shorter), with the link marker in place of SSep.
 
-    The head is [PDep + first recompute_blocks*block_size - 1 tokens]: exactly
-    recompute_blocks blocks. It must start with PDep, not chain plainly: its
-    predecessor is usually the previous document's last SSep block, whose hash
-    covers that document only, so a plainly chained head would hit a head
-    computed after a different system prompt or earlier documents (a false hit
-    with wrong KV). PDep makes the head's hash, and through the chain the hash
-    of its later blocks, commit to everything before it. The rest of the
-    document is an ordinary span: [SSep + rest + pad], prefilled alone.
-    A document that fits in the head has no span; its head is padded instead.
+    In the final prompt the engine computes it in context, at the span's own
+    logical positions, and every later query sees it instead of the span's solo
+    head (minipic.attention.segments). Its hash is a PDep hash: its KV depends on
+    everything before it, so it only hits after the same header and documents.
     """
-    block_size = check_block_size(block_size)
+    if protocol.link_token_id is None:
+        raise SpanPromptError(
+            "EPIC needs a link marker: the span protocol has no link_token_id (set it in "
+            "minipic's config next to ssep_token_id, or let minipic pick reserved tokens)")
+    check_block_size(block_size)
     _check_recompute_blocks(recompute_blocks)
-    if not body:
-        raise SpanPromptError(f"{where} is empty")
-    check_body(body, protocol, where)
-    if recompute_blocks == 0:
-        return [], make_span(body, protocol, block_size, where)
-    head_len = recompute_blocks * block_size - 1  # PDep takes the head's first slot
-    head = [protocol.pdep_token_id, *body[:head_len]]
-    rest = body[head_len:]
-    if not rest:
-        return pad_to_block(head, block_size, protocol.pad_token_id), None
-    return head, make_span(rest, protocol, block_size, where)
+    head = list(span[: recompute_blocks * block_size])
+    return [protocol.link_token_id, *head[1:]] if head else []
 
 
 def _check_recompute_blocks(recompute_blocks: Any) -> None:
@@ -94,26 +85,19 @@ def _check_recompute_blocks(recompute_blocks: Any) -> None:
 def epic(docs: Sequence[TextOrTokens], task: TextOrTokens, *, protocol: SpanProtocol,
          block_size: int, recompute_blocks: int = 1, system: TextOrTokens | None = None,
          tokenizer: Any = None) -> SpanPrompt:
-    """[BOS + system + pad] [PDep d0 head][SSep d0 rest pad] ... [PDep task].
+    """[BOS + system + pad] [SSep d0 pad] ... [SSep dN pad] [link d0] ... [link dN] [PDep task].
 
-    The first recompute_blocks blocks of each document are recomputed in the
-    final prompt (EPIC's "first k tokens", rounded to blocks), the rest hits.
-    Note that vLLM's prefix cache stops at the first miss, so with stock
-    lookups only the header hits; the span blocks are cached and identical for
-    any lookup that is not prefix-only (e.g. a KV connector).
+    EPIC (LegoLink) for models not fine-tuned for block attention: every document
+    is a span prefilled alone, as in Block-Attention, and hits at any offset; the
+    first `recompute_blocks` blocks of each are then recomputed in context by its
+    link segment, which every later query sees in place of the solo head. The
+    links sit after all spans, so the whole header-and-spans prefix is one
+    contiguous vLLM hit; only links and task are computed.
     """
     block_size = check_block_size(block_size)
     _check_recompute_blocks(recompute_blocks)
-    parts: list[list[int]] = []
-    spans: list[list[int]] = []
-    for i, doc in enumerate(_check_docs(docs)):
-        where = f"document {i}"
-        body = to_tokens(doc, tokenizer, where)
-        if not isinstance(doc, str) and body[:1] == [protocol.ssep_token_id]:
-            raise SpanPromptError(f"{where} is a pre-built span: EPIC splits documents "
-                                  "itself, pass the document body instead")
-        head, span = epic_document(body, recompute_blocks, protocol, block_size, where)
-        parts.append(head + (span or []))
-        spans += [span] if span else []
+    spans = [span_from(doc, protocol, block_size, tokenizer, f"document {i}")
+             for i, doc in enumerate(_check_docs(docs))]
+    links = [epic_link(span, recompute_blocks, protocol, block_size) for span in spans]
     header = _header(system, tokenizer, protocol, block_size)
-    return _assemble(header, parts, spans, task, tokenizer, protocol, block_size)
+    return _assemble(header, spans + links, spans, task, tokenizer, protocol, block_size)

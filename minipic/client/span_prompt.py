@@ -61,8 +61,8 @@ def to_tokens(piece: TextOrTokens, tokenizer: Any, where: str) -> list[int]:
 
 
 def check_body(tokens: Sequence[int], protocol: SpanProtocol, where: str) -> None:
-    """A body may not contain SSep or PDep: they only belong at block starts."""
-    names = {protocol.ssep_token_id: "SSep", protocol.pdep_token_id: "PDep"}
+    """A body may not contain a marker (SSep, PDep, link): they only belong at block starts."""
+    names = protocol.marker_names()
     for position, token in enumerate(tokens):
         if token in names:
             raise SpanPromptError(

@@ -17,7 +17,8 @@ CONFIG = {
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 }
 # Llama-3's reserved special tokens, named explicitly: a dummy model has no tokenizer.
-MARKERS = {"ssep_token_id": 128002, "pdep_token_id": 128003, "pad_token_id": 128004}
+MARKERS = {"ssep_token_id": 128002, "pdep_token_id": 128003, "pad_token_id": 128004,
+           "link_token_id": 128005}
 
 
 def write_config(directory: str | Path) -> Path:

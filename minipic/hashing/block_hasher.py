@@ -3,10 +3,13 @@
 For each full block b of a request (tokens x_b, stock extra keys e_b); markers
 count in the prompt only, generated tokens never start a span:
   * x_b starts with SSep: h_b = H(seed, x_b, e_b + salt)        -- chain reset
-  * x_b starts with PDep: h_b = H(H(seed, "pdep", h_0..h_{b-1}), x_b, e_b + salt)
+  * x_b starts with PDep or link: h_b = H(H(seed, "pdep", h_0..h_{b-1}), x_b, e_b + salt)
   * otherwise:            h_b = H(h_{b-1} or seed, x_b, e_b)    -- stock chaining
 The PDep hash commits to every earlier block hash, hence to every earlier token
 and extra key (the paper's fork hashed only the block itself: a false-hit bug).
+A link block (EPIC) is computed in context at an earlier span's positions, so its
+KV depends on everything before it: it is hashed as PDep is (its own first token
+tells them apart).
 `salt` is the request's cache_salt: stock vLLM keys only block 0 with it (in a
 version-specific form), which a chain reset would drop, so every reset block
 carries it again, in one form at every offset.
@@ -80,7 +83,7 @@ class SpanBlockHasher:
     def parent_of(self, first_token: int, previous: Sequence[bytes]) -> bytes:
         if first_token == self.protocol.ssep_token_id:
             return self.seed
-        if first_token == self.protocol.pdep_token_id:
+        if first_token in (self.protocol.pdep_token_id, self.protocol.link_token_id):
             return self.hash_fn((self.seed, "minipic-pdep", tuple(previous)))
         return previous[-1] if previous else self.seed
 

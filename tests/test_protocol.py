@@ -1,0 +1,51 @@
+"""The span protocol: marker ids, and which prompts' markers and links can act."""
+
+import pytest
+
+from minipic.protocol import MisplacedMarkerError, SpanProtocol, SpanProtocolError
+
+P = SpanProtocol(ssep_token_id=3, pdep_token_id=4, pad_token_id=5, link_token_id=6)
+B = 2
+
+
+def blocks(*firsts):
+    """A prompt whose blocks start with `firsts` (9: a plain token)."""
+    return [t for first in firsts for t in (first, 9)]
+
+
+def test_link_is_optional_and_kept_out_of_old_dicts():
+    old = SpanProtocol.from_dict({"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5})
+    assert old.link_token_id is None and 6 not in old.markers
+    assert old.to_dict() == {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5}
+    assert SpanProtocol.from_dict(P.to_dict()) == P
+    assert P.markers == {3, 4, 6}
+
+
+def test_marker_ids_must_differ():
+    with pytest.raises(SpanProtocolError, match="must be different"):
+        SpanProtocol(3, 4, 5, link_token_id=3)
+
+
+def test_links_that_follow_their_spans_pass():
+    P.check_marker_placement(blocks(1, 3, 9, 3, 6, 9, 6, 4), B)  # link 1 is 2 blocks
+
+
+def test_a_link_before_its_span_is_refused_with_its_position():
+    with pytest.raises(MisplacedMarkerError, match="prompt token 4 starts link block 2, but "
+                                                   "only 1 SSep span"):
+        P.check_marker_placement(blocks(3, 6, 6, 3, 4), B)
+
+
+def test_a_link_longer_than_its_span_is_refused():
+    with pytest.raises(MisplacedMarkerError, match="prompt token 6 starts link block 1, 2 "
+                                                   "blocks long, but span 1 is 1 blocks"):
+        P.check_marker_placement(blocks(1, 3, 4, 6, 9), B)
+
+
+def test_a_link_inside_a_block_is_refused():
+    with pytest.raises(MisplacedMarkerError, match="prompt token 3 is minipic's link marker"):
+        P.check_marker_placement([3, 9, 9, 6], B)
+
+
+def test_without_a_link_id_the_token_is_text():
+    SpanProtocol(3, 4, 5).check_marker_placement(blocks(6, 6, 3), B)
