@@ -3,6 +3,7 @@
     minipic store stats DIR [--json]        spans, blocks, bytes, hits per namespace
     minipic store verify DIR [--remove]     check every block file (header + checksum)
     minipic store evict DIR --max-bytes N   remove least recently used blocks down to N
+                                            (bytes, or with a unit: 8GiB, 512MiB)
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import sys
 from typing import Sequence
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+def _human(n: float) -> str:
+    from minipic.sizes import format_size
+
+    return format_size(n)
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -108,32 +107,48 @@ def _evict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
+def _non_negative_size(text: str) -> int:
+    from minipic.sizes import SizeError, parse_size
+
+    try:
+        value = parse_size(text)
+    except SizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minipic", description=__doc__.splitlines()[0])
+    from minipic import __version__
+    from minipic.help_format import DefaultsHelpFormatter
+
+    # Every parser shows defaults in its --help (subparsers take their own formatter).
+    helpful = {"formatter_class": DefaultsHelpFormatter}
+    parser = argparse.ArgumentParser(prog="minipic", description=__doc__.splitlines()[0],
+                                     **helpful)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    store = commands.add_parser("store", help="inspect and maintain span stores")
+    store = commands.add_parser("store", help="inspect and maintain span stores", **helpful)
     store_commands = store.add_subparsers(dest="store_command", required=True)
 
-    stats = store_commands.add_parser("stats", help="spans, blocks, bytes and hits")
-    stats.add_argument("dir")
-    stats.add_argument("--json", action="store_true")
+    def add_command(name: str, **kwargs) -> argparse.ArgumentParser:
+        return store_commands.add_parser(name, **helpful, **kwargs)
+
+    stats = add_command("stats", help="spans, blocks, bytes and hits")
+    stats.add_argument("dir", help="the store_dir of MiniPICConnector")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of text")
     stats.set_defaults(run=_stats)
 
-    verify = store_commands.add_parser("verify", help="check every block file")
-    verify.add_argument("dir")
+    verify = add_command("verify", help="check every block file")
+    verify.add_argument("dir", help="the store_dir of MiniPICConnector")
     verify.add_argument("--remove", action="store_true", help="delete bad files")
     verify.set_defaults(run=_verify)
 
-    evict = store_commands.add_parser("evict", help="remove LRU blocks down to a size")
-    evict.add_argument("dir")
-    evict.add_argument("--max-bytes", type=_non_negative_int, required=True)
+    evict = add_command("evict", help="remove LRU blocks down to a size")
+    evict.add_argument("dir", help="the store_dir of MiniPICConnector")
+    evict.add_argument("--max-bytes", type=_non_negative_size, required=True,
+                       help="size to evict down to: bytes, or with a unit like 8GiB or 512MiB")
     evict.set_defaults(run=_evict)
     return parser
 

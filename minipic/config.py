@@ -9,17 +9,45 @@ Both live in vLLM's config, which reaches the engine-core and worker processes
 and is part of vLLM's torch.compile cache key, so a graph compiled without
 minipic is never reused with it.
 
-Options (all optional): `ssep_token_id`, `pdep_token_id`, `pad_token_id`
-(default: the tokenizer's reserved special tokens), `enabled` (false turns an
-`additional_config` section off).
+Options (all optional): the span protocol's marker ids `ssep_token_id`,
+`pdep_token_id`, `pad_token_id`, ... (default: the tokenizer's reserved special
+tokens), `enabled` (false turns an `additional_config` section off). Any other
+key in the `additional_config` section is refused at start-up (a typo would
+otherwise silently leave a default in force).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
+
+from minipic.protocol import SpanProtocol
 
 CONFIG_KEY = "minipic"
 CONNECTOR_NAME = "MiniPICConnector"
+
+# Every key minipic reads from its additional_config section, in one place: the
+# span protocol's fields (so a marker added there is allowed here) and the switch.
+ENGINE_OPTION_KEYS = frozenset(
+    {"enabled", *(field.name for field in dataclasses.fields(SpanProtocol))})
+
+
+class UnknownOptionError(ValueError):
+    """An additional_config.minipic key minipic does not read."""
+
+
+def check_option_keys(vllm_config: Any) -> None:
+    """Refuse keys of the additional_config section that minipic does not read."""
+    additional = getattr(vllm_config, "additional_config", None)
+    section = additional.get(CONFIG_KEY) if isinstance(additional, Mapping) else None
+    if not isinstance(section, Mapping):
+        return  # absent, or refused by minipic_options
+    unknown = sorted(set(section) - ENGINE_OPTION_KEYS)
+    if unknown:
+        raise UnknownOptionError(
+            f"additional_config.{CONFIG_KEY} has unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"minipic reads {', '.join(sorted(ENGINE_OPTION_KEYS))} (connector options such as "
+            f"store_dir go in kv_connector_extra_config)")
 
 
 def minipic_options(vllm_config: Any) -> dict[str, Any] | None:

@@ -33,7 +33,9 @@ from typing import Any, Sequence
 from minipic.client.document_spans import DEFAULT_SPAN_TOKENS
 from minipic.client.manifest import FAILED, NEW, PENDING, PREFILLED, STORED
 from minipic.client.preloader import PreloadReport, preload
+from minipic import __version__
 from minipic.config import CONNECTOR_NAME
+from minipic.help_format import DefaultsHelpFormatter
 from minipic.protocol import SpanProtocol
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2
@@ -43,7 +45,8 @@ MAX_LISTED = 20  # problems printed one per line; the rest are counted
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="minipic-preload", description="Prefill a corpus's spans into a minipic engine.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+        formatter_class=DefaultsHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("corpus", help="directory (or file) of .txt, .md, .jsonl, .parquet documents")
     engine = p.add_argument_group("engine")
     engine.add_argument("--url", help="a running vLLM server (OpenAI-compatible)")
@@ -52,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, help="the engine's KV block size (required "
                         "with --url: a server does not publish it)")
     engine.add_argument("--tokenizer", help="with --url: tokenizer to load (default: the model)")
-    engine.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    engine.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="with --url: the server's API key (default: $OPENAI_API_KEY)")
     engine.add_argument("--span-protocol", type=_json_arg, help="with --url: marker ids as "
                         "JSON, when the server's minipic config names them")
     engine.add_argument("--connector-config", type=_json_arg,

@@ -5,10 +5,11 @@ Users write short minipic keys in `kv_connector_extra_config`:
     store_dir          directory of the span store (shared by replicas); omit for CPU only
     cpu_bytes          size of the CPU tier (default 2 GiB); vLLM's `cpu_bytes_to_use` also works
     disk_max_bytes     size limit of the store; least recently used blocks are evicted past it
+                       (sizes: bytes, or text with a unit such as "8GiB", see minipic.sizes)
     disk_read_threads / disk_write_threads   I/O threads of the disk tier (default 4 / 4)
     disk_read_processes   reader processes for loads (default: half the CPUs, at most 16, none
                           below 8 CPUs; 0 reads on the threads, next to the scheduler's GIL)
-    ssep_token_id / pdep_token_id / pad_token_id   span markers (see minipic.config)
+    ssep_token_id / pdep_token_id / pad_token_id / ...   span markers (see minipic.config)
 
 `apply_offload_config` rewrites them, in place, into the keys vLLM's native
 offload reads (`spec_name`, `spec_module_path`, `cpu_bytes_to_use`,
@@ -24,6 +25,9 @@ import dataclasses
 import logging
 import os
 from typing import Any, MutableMapping
+
+from minipic.config import ENGINE_OPTION_KEYS
+from minipic.sizes import SizeError, parse_size
 
 SPEC_NAME = "MiniPICOffloadingSpec"
 SPEC_MODULE = "minipic.connector.spec"
@@ -49,17 +53,10 @@ class ConnectorOptions:
 
     @classmethod
     def parse(cls, extra: MutableMapping[str, Any]) -> "ConnectorOptions":
-        def positive_int(name: str, value: Any) -> int:
-            try:
-                number = int(value)
-            except (TypeError, ValueError):
-                number = 0
-            if number <= 0:
-                raise ConnectorConfigError(f"{name} must be a positive integer, got {value!r}")
-            return number
-
         store_dir = extra.get("store_dir")
-        if store_dir is not None and not str(store_dir).strip():
+        if store_dir is not None and not isinstance(store_dir, str):
+            raise ConnectorConfigError(f"store_dir must be a directory path, got {store_dir!r}")
+        if store_dir is not None and not store_dir.strip():
             raise ConnectorConfigError("store_dir is empty: give a directory or leave it out")
         cpu = extra.get("cpu_bytes", extra.get("cpu_bytes_to_use", DEFAULT_CPU_BYTES))
         disk_max = extra.get("disk_max_bytes")
@@ -87,8 +84,8 @@ class ConnectorOptions:
                 f"MiniPICConnector runs its own offloading spec; remove spec_name={spec_name!r}")
         return cls(
             store_dir=str(store_dir) if store_dir is not None else None,
-            cpu_bytes=positive_int("cpu_bytes", cpu),
-            disk_max_bytes=positive_int("disk_max_bytes", disk_max) if disk_max is not None else None,
+            cpu_bytes=positive_size("cpu_bytes", cpu),
+            disk_max_bytes=positive_size("disk_max_bytes", disk_max) if disk_max is not None else None,
             disk_read_threads=positive_int("disk_read_threads", extra.get("disk_read_threads", 4)),
             disk_write_threads=positive_int("disk_write_threads", extra.get("disk_write_threads", 4)),
             disk_read_processes=read_processes(extra.get("disk_read_processes")),
@@ -111,8 +108,7 @@ class ConnectorOptions:
 # (0.25.1 and 0.32.0); anything else is most likely a typo.
 MINIPIC_KEYS = frozenset({
     "store_dir", "cpu_bytes", "disk_max_bytes", "disk_read_threads", "disk_write_threads",
-    "disk_read_processes", "ssep_token_id", "pdep_token_id", "pad_token_id", "enabled",
-    _APPLIED})
+    "disk_read_processes", *ENGINE_OPTION_KEYS, _APPLIED})
 VLLM_OFFLOAD_KEYS = frozenset({
     "spec_name", "spec_module_path", "cpu_bytes_to_use", "secondary_tiers", "eviction_policy",
     "backpressure", "enable_telemetry", "max_tracker_size", "offload_prompt_only",
@@ -124,6 +120,32 @@ def _warn_unknown_keys(extra: MutableMapping[str, Any]) -> None:
         logger.warning("MiniPICConnector: kv_connector_extra_config key %r is neither "
                        "minipic's nor vLLM's offload key; it has no effect (a typo? minipic's "
                        "keys: %s)", key, ", ".join(sorted(MINIPIC_KEYS - {_APPLIED})))
+
+
+def positive_int(name: str, value: Any) -> int:
+    # Not int(value): it would take 2.7 as 2 and True as 1.
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        number = 0
+    else:
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+    if number <= 0:
+        raise ConnectorConfigError(f"{name} must be a positive integer, got {value!r}")
+    return number
+
+
+def positive_size(name: str, value: Any) -> int:
+    try:
+        number = parse_size(value)
+    except SizeError:
+        number = 0
+    if number <= 0:
+        raise ConnectorConfigError(
+            f"{name} must be a positive size in bytes, or with a unit like '8GiB' or "
+            f"'512MiB', got {value!r}")
+    return number
 
 
 def default_read_processes() -> int:
