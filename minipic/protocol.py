@@ -161,7 +161,8 @@ def _check_link_fits(link: int, length: int, spans: list[int], start: int,
     if length > spans[link - 1]:
         raise MisplacedMarkerError(
             f"prompt token {start * block_size} starts link block {link}, {length} blocks long, "
-            f"but span {link} is {spans[link - 1]} blocks: a link may replace at most its span")
+            f"but span {link} is {spans[link - 1]} block(s): a link replaces at most its span "
+            "(end the link segment with the next marker, e.g. PDep before the task)")
 
 
 def resolve_span_protocol(options: Mapping[str, Any], tokenizer_path: str | None,

@@ -1,9 +1,14 @@
-"""An independent Block-Attention reference: HF transformers with an explicit block mask.
+"""Independent references: HF transformers with an explicit mask and position ids.
 
-Each span (the header, every document) attends only to itself; the task and
-generated tokens attend to everything before them. Positions are absolute:
-with RoPE a span's internal attention depends only on relative positions, so
-this equals "each span prefilled alone at offset 0, then placed".
+Block-Attention: each span (the header, every document) attends only to itself;
+the task and generated tokens attend to everything before them. Positions are
+absolute: with RoPE a span's internal attention depends only on relative
+positions, so this equals "each span prefilled alone at offset 0, then placed".
+
+EPIC with links: [header][span 1]..[span N][link 1]..[link N][task]. Link i
+carries span i's head; it sits at the positions of that head and attends to the
+header and, for every earlier document, its link and the rest of its span. The
+task sees the header, every link and every span but the heads the links replace.
 """
 
 from __future__ import annotations
@@ -23,6 +28,40 @@ def block_mask(segment_lengths: list[int], total: int) -> torch.Tensor:
     return causal & (same_segment | (segment[:, None] == -1))
 
 
+def epic_mask_and_positions(header: int, spans: list[int], links: list[int], task: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n, n] bool visibility, [n] positions) for the EPIC layout, from segment lengths."""
+    n = header + sum(spans) + sum(links) + task
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    positions = torch.arange(n)
+    span_at = [header + sum(spans[:i]) for i in range(len(spans))]
+    link_at = [header + sum(spans) + sum(links[:i]) for i in range(len(links))]
+
+    def see(queries: range, keys: range, causal: bool = False) -> None:
+        for q in queries:
+            for k in keys:
+                allowed[q, k] = not causal or k <= q
+
+    see(range(header), range(header), causal=True)
+    for i, length in enumerate(spans):
+        own = range(span_at[i], span_at[i] + length)
+        see(own, own, causal=True)
+    context = [range(header)]  # what a query after the header sees so far
+    for i, length in enumerate(links):
+        own = range(link_at[i], link_at[i] + length)
+        positions[own.start:own.stop] = torch.arange(span_at[i], span_at[i] + length)
+        for keys in context:
+            see(own, keys)
+        see(own, own, causal=True)
+        context += [own, range(span_at[i] + length, span_at[i] + spans[i])]
+    context += [range(span_at[i], span_at[i] + spans[i]) for i in range(len(links), len(spans))]
+    own = range(n - task, n)
+    for keys in context:
+        see(own, keys)
+    see(own, own, causal=True)
+    return allowed, positions
+
+
 class BlockAttentionReference:
     def __init__(self, model_dir: str):
         from transformers import AutoModelForCausalLM
@@ -30,22 +69,41 @@ class BlockAttentionReference:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
 
-    @torch.no_grad()
     def greedy(self, segments: list[list[int]], task: list[int], steps: int
                ) -> tuple[list[int], list[float]]:
         """Greedy tokens and their logprobs after [segments...][task]."""
         tokens = [t for seg in segments for t in seg] + list(task)
-        lengths = [len(seg) for seg in segments]
-        generated, logprobs = [], []
+        allowed = block_mask([len(seg) for seg in segments], len(tokens))
+        return self.greedy_masked(tokens, allowed, torch.arange(len(tokens)), steps)
+
+    @torch.no_grad()
+    def greedy_masked(self, tokens: list[int], allowed: torch.Tensor, positions: torch.Tensor,
+                      steps: int) -> tuple[list[int], list[float]]:
+        """Greedy decoding over a prompt with visibility `allowed` [n, n] and `positions` [n].
+
+        Each generated token sees what the last prompt token sees, and itself; it
+        sits one position after the last prompt token."""
+        tokens, generated, logprobs = list(tokens), [], []
         for _ in range(steps):
             n = len(tokens)
-            allowed = block_mask(lengths, n)
             mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
             logits = self.model(torch.tensor([tokens]), attention_mask=mask,
-                                position_ids=torch.arange(n)[None]).logits[0, -1]
+                                position_ids=positions[None]).logits[0, -1]
             log_probs = logits.log_softmax(-1)
             token = int(log_probs.argmax())
             generated.append(token)
             logprobs.append(float(log_probs[token]))
             tokens.append(token)
+            allowed = _extend(allowed)
+            positions = torch.cat((positions, positions[-1:] + 1))
         return generated, logprobs
+
+
+def _extend(allowed: torch.Tensor) -> torch.Tensor:
+    """One more token that sees what the last one sees, and itself."""
+    n = allowed.shape[0]
+    grown = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    grown[:n, :n] = allowed
+    grown[n, :n] = allowed[n - 1]
+    grown[n, n] = True
+    return grown

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import BLOCK_SIZE, MINIPIC_ON, start_llm, stop_llm
-from hf_reference import BlockAttentionReference
+from hf_reference import BlockAttentionReference, epic_mask_and_positions
 
 from minipic.client import block_attention
 from minipic.protocol import SpanProtocol
@@ -200,8 +201,7 @@ def test_every_recipe_gets_the_hits_it_expects(llm, protocol):
     cache = PromptCache({"a": docs[0], "b": docs[1]}, protocol=protocol, block_size=BLOCK_SIZE)
     prompts = {
         "block_attention": build(protocol, docs=docs, system=words(20, 34), task=task),
-        # EPIC recomputes each document's first block; vLLM's prefix lookup stops at the
-        # first miss, so only the header hits (recipes.epic's docstring).
+        # EPIC recomputes each document's first block in its link, after all spans.
         "epic": epic(docs, task, protocol=protocol, block_size=BLOCK_SIZE,
                      system=words(20, 35)),
         "prompt_cache": cache.prompt("b", Text(words(5, 36)), "a", Text(task)),
@@ -211,3 +211,83 @@ def test_every_recipe_gets_the_hits_it_expects(llm, protocol):
         [out] = generate(llm, [prompt.vllm_final()], steps=1)
         assert prompt.expected_cached_tokens > 0, name
         assert out.num_cached_tokens == prompt.expected_cached_tokens, name
+
+
+# --- EPIC link blocks -----------------------------------------------------------
+
+EPIC_DOCS = [words(70, 41), words(40, 42), words(100, 43)]  # 3, 2 and 4 blocks as spans
+
+
+def epic_prompt(protocol, docs=EPIC_DOCS, task=words(9, 44), recompute_blocks=1):
+    from minipic.client import epic
+
+    return epic(docs, task, protocol=protocol, block_size=BLOCK_SIZE,
+                recompute_blocks=recompute_blocks, system=words(20, 45))
+
+
+def epic_reference(reference, prompt, num_docs, link_positions=True):
+    """The reference's greedy tokens for an EPIC prompt; `link_positions=False` puts
+    the links at their physical positions instead (what a broken layout would do)."""
+    header = len(prompt.span_prefills[0])
+    spans = [len(s) for s in prompt.span_prefills[1:1 + num_docs]]
+    links = [min(len(s), BLOCK_SIZE) for s in prompt.span_prefills[1:1 + num_docs]]
+    task = len(prompt.final) - header - sum(spans) - sum(links)
+    allowed, positions = epic_mask_and_positions(header, spans, links, task)
+    if not link_positions:
+        positions = torch.arange(len(prompt.final))
+    return reference.greedy_masked(prompt.final, allowed, positions, STEPS)
+
+
+def test_epic_hits_every_document_tail_and_matches_the_reference(llm, protocol, reference):
+    prompt = epic_prompt(protocol)
+    prefill(llm, prompt)
+    [out] = generate(llm, [prompt.vllm_final()])
+    # Header and all spans are one hit: only the three link blocks and the task are computed.
+    links = len(prompt.final) - prompt.final.index(protocol.link_token_id)
+    assert out.num_cached_tokens == prompt.expected_cached_tokens
+    assert prompt.expected_cached_tokens == len(prompt.final) - links
+    assert prompt.final.count(protocol.link_token_id) == len(EPIC_DOCS)
+    tokens, logprobs = epic_reference(reference, prompt, len(EPIC_DOCS))
+    assert list(out.outputs[0].token_ids) == tokens
+    got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+    assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+def test_epic_reference_depends_on_link_positions_and_links(reference, protocol):
+    """Guards the reference: links at their physical positions, or no links at all
+    (Block-Attention), give other logprobs than EPIC."""
+    prompt = epic_prompt(protocol)
+    _, right = epic_reference(reference, prompt, len(EPIC_DOCS))
+    _, physical = epic_reference(reference, prompt, len(EPIC_DOCS), link_positions=False)
+    block = build(protocol, docs=EPIC_DOCS, system=words(20, 45), task=words(9, 44))
+    _, without_links = expected_tokens(reference, block, protocol)
+    for other in (physical, without_links):
+        assert max(abs(a - b) for a, b in zip(right, other)) > 10 * LOGPROB_ATOL
+
+
+def test_epic_miss_path_computes_spans_honestly(llm, protocol, reference):
+    """Nothing prefilled (a fresh salt): the final prompt computes spans and links,
+    matching the reference; the spans it cached then serve another order."""
+    from vllm.inputs import TokensPrompt
+
+    docs = [words(50, 46), words(35, 47)]
+    salt = "epic-fresh-tenant"
+    for order, hits in (((0, 1), False), ((1, 0), True)):
+        prompt = epic_prompt(protocol, docs=[docs[i] for i in order], task=words(7, 48))
+        [out] = generate(llm, [TokensPrompt(prompt_token_ids=prompt.final, cache_salt=salt)])
+        assert (out.num_cached_tokens == prompt.expected_cached_tokens) == hits
+        tokens, logprobs = epic_reference(reference, prompt, len(docs))
+        assert list(out.outputs[0].token_ids) == tokens
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+def test_a_link_without_its_span_is_a_request_error(llm, protocol):
+    from minipic.protocol import MisplacedMarkerError
+
+    link_first = [protocol.link_token_id] + words(BLOCK_SIZE - 1, 49)
+    span = [protocol.ssep_token_id] + words(BLOCK_SIZE - 1, 50)
+    with pytest.raises(MisplacedMarkerError, match="prompt token 0 starts link block 1"):
+        generate(llm, [{"prompt_token_ids": link_first + span}], steps=1)
+    task = [protocol.pdep_token_id] + words(3, 51)
+    assert generate(llm, [{"prompt_token_ids": span + link_first + task}], steps=1)

@@ -38,7 +38,7 @@ def test_a_link_before_its_span_is_refused_with_its_position():
 
 def test_a_link_longer_than_its_span_is_refused():
     with pytest.raises(MisplacedMarkerError, match="prompt token 6 starts link block 1, 2 "
-                                                   "blocks long, but span 1 is 1 blocks"):
+                                                   "blocks long, but span 1 is 1 block"):
         P.check_marker_placement(blocks(1, 3, 4, 6, 9), B)
 
 
