@@ -26,8 +26,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from minipic.attention.backend_traits import PositionFreeTraits
 from minipic.attention.layer_check import check_current_model
+from minipic.attention.links import batch_metadata, turn_back_links
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.rotation import rotate, turn_back
+from minipic.attention.rotation import rotate
 from minipic.attention.segments import SpanLayout, current_layout, token_shifts, visible_keys
 
 
@@ -106,7 +107,8 @@ class TorchPositionFreeImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        key = turn_back_links(key, _metadata_of(layer))
+        md = batch_metadata(layer)
+        key = turn_back_links(key, None if md is None else md.token_shift)
         valid = slot_mapping >= 0  # tokens whose KV is not kept have slot -1, anywhere
         slots = slot_mapping[valid].long()
         block_size = kv_cache.shape[2]
@@ -133,7 +135,7 @@ class TorchPositionFreeImpl(AttentionImpl):
             return output
         md = attn_metadata
         out = output.view(-1, self.num_heads, self.head_size)
-        q_all = turn_back_links(query, md).view(-1, self.num_heads, self.head_size)
+        q_all = turn_back_links(query, md.token_shift).view(-1, self.num_heads, self.head_size)
         rope = current_rope()
         cos_sin = rope.cos_sin(query.device)
         qsl = md.query_start_loc
@@ -147,30 +149,6 @@ class TorchPositionFreeImpl(AttentionImpl):
             out[qsl[i] : qsl[i + 1]] = causal_attention(
                 q, k, v, self.scale, self.logits_soft_cap, visible).to(out.dtype)
         return output
-
-
-def _metadata_of(layer) -> TorchPositionFreeMetadata | None:
-    """The batch's metadata for `layer` (vLLM's KV update op is handed none)."""
-    from vllm.forward_context import get_forward_context
-
-    metadata = get_forward_context().attn_metadata
-    return metadata.get(layer.layer_name) if isinstance(metadata, dict) else metadata
-
-
-def turn_back_links(x: torch.Tensor, md: TorchPositionFreeMetadata | None) -> torch.Tensor:
-    """Q or K of the batch with link tokens turned back by their shift.
-
-    Q arrives rotated at its physical position; a link token sits at an earlier
-    logical one. Turning both its Q and its (unrotated) K back by the shift keeps
-    K position-free at the physical index, where attention rotates every key."""
-    if md is None or md.token_shift is None:
-        return x
-    rope = current_rope()
-    n = md.token_shift.shape[0]
-    heads = x[:n].view(n, -1, rope.head_size)
-    turned = turn_back(heads, md.token_shift.to(x.device), rope.cos_sin(x.device),
-                       rope.rotary_dim, rope.is_neox_style).to(x.dtype)
-    return torch.cat((turned.view(n, *x.shape[1:]), x[n:]))
 
 
 def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
