@@ -1,4 +1,4 @@
-"""A span-aware RAG client: system prompt + documents + question -> Block-Attention answer.
+"""A span-aware RAG client: system prompt + documents + question -> an answer from cached spans.
 
     backend = AsyncLLMBackend(async_llm)  # or await OpenAIServerBackend.connect(url, block_size=16)
     client = RagClient(backend, system="Answer from the documents.",
@@ -8,8 +8,11 @@
 
 Documents are given as text (cut into spans exactly as `minipic-preload`
 cuts them, so preloaded text hits) or as `DocRef`s to a preload manifest
-(its stored token ids, no re-tokenizing). The final prompt is
-[BOS system pad][SSep span pad]...[PDep question]. `ask` first prefills the
+(its stored token ids, no re-tokenizing). The final prompt is, with the default
+recipe "epic" (right answers from models not fine-tuned for block attention),
+[BOS system pad][SSep span pad]...[link span head]...[PDep question], and with
+recipe="block_attention" (models fine-tuned for it) the same without the links.
+Both reuse the same preloaded spans. `ask` first prefills the
 request's spans through ISPS (a stored span costs one token, see
 span_prefill.py), then sends the final prompt; for many questions, hand
 `client.request(...)`s to `InterleavedScheduler` or `BatchedScheduler`.
@@ -27,7 +30,7 @@ from minipic.client.document_spans import DEFAULT_SPAN_TOKENS, document_spans
 from minipic.client.isps import InterleavedScheduler
 from minipic.client.manifest import Manifest, ManifestError
 from minipic.client.rag_request import RagRequest, RagResult
-from minipic.client.recipes import block_attention
+from minipic.client.recipes import block_attention, epic
 from minipic.client.span_prompt import SpanPrompt, SpanPromptError
 from minipic.protocol import SpanProtocol
 
@@ -42,6 +45,7 @@ class DocRef:
 
 
 Doc = Union[str, DocRef, Sequence[int]]  # text, a manifest id, or token ids
+RECIPES = ("epic", "block_attention")
 
 
 class RagClient:
@@ -49,7 +53,12 @@ class RagClient:
                  manifest: Manifest | None = None, block_size: int | None = None,
                  span_tokens: int | None = None, tokenizer: Any = None,
                  protocol: SpanProtocol | None = None, max_tokens: int = 64,
-                 temperature: float = 0.0, max_in_flight: int = 16):
+                 temperature: float = 0.0, max_in_flight: int = 16, recipe: str = "epic",
+                 recompute_blocks: int = 1):
+        if recipe not in RECIPES:
+            raise SpanPromptError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+        self.recipe = recipe
+        self.recompute_blocks = recompute_blocks
         self.backend = backend
         self.system = system
         self.manifest = manifest
@@ -85,8 +94,11 @@ class RagClient:
         if isinstance(docs, (str, DocRef)):
             raise SpanPromptError("docs must be a list of documents")
         spans = [s for i, doc in enumerate(docs) for s in self.spans(doc, f"document {i}")]
-        return block_attention(spans, question, system=self.system, protocol=self.protocol,
-                               block_size=self.block_size, tokenizer=self.tokenizer)
+        common = dict(system=self.system, protocol=self.protocol, block_size=self.block_size,
+                      tokenizer=self.tokenizer)
+        if self.recipe == "block_attention":
+            return block_attention(spans, question, **common)
+        return epic(spans, question, recompute_blocks=self.recompute_blocks, **common)
 
     def request(self, question: str | Sequence[int], docs: Sequence[Doc], *,
                 max_tokens: int | None = None, metadata: Any = None) -> RagRequest:

@@ -89,9 +89,11 @@ def test_llm_on_the_store_answers_with_preloaded_spans(tiny_model, connector_con
                            manifest=Manifest.read(manifest), max_tokens=4)
         docs = [DocRef("cities/rome.txt"), DocRef("books.parquet#faust"),
                 DocRef("rivers.jsonl#rhine")]
-        answer = asyncio.run(client.ask("who wrote faust ?", docs))
+        answer = asyncio.run(client.ask("who wrote faust ?", docs))  # EPIC, the default
+        final = answer.request.prompt.final
         assert answer.cached_tokens == answer.expected_cached_tokens
-        assert answer.expected_cached_tokens == len(answer.request.prompt.final) - len(
-            client.tokenizer.encode("who wrote faust ?", add_special_tokens=False)) - 1
+        # The header and every span hit; the links and the question are computed.
+        assert answer.expected_cached_tokens == final.index(client.protocol.link_token_id)
+        assert final.count(client.protocol.link_token_id) == len(answer.request.prompt.span_prefills) - 1
     finally:
         stop_llm(llm)
