@@ -201,8 +201,10 @@ def _register_runner_after_init(original):
         if minipic_on:
             from minipic.attention.rope import reset_rope
             from minipic.attention.segments import register_runner
+            from minipic.config import mask_markers
 
-            register_runner(self, span_protocol_of(vllm_config))  # first: it may refuse
+            # first: it may refuse
+            register_runner(self, span_protocol_of(vllm_config), mask_markers(vllm_config))
             reset_rope()
     return __init__
 

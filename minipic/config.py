@@ -11,7 +11,9 @@ minipic is never reused with it.
 
 Options (all optional): the span protocol's marker ids `ssep_token_id`,
 `pdep_token_id`, `pad_token_id`, ... (default: the tokenizer's reserved special
-tokens), `enabled` (false turns an `additional_config` section off). Any other
+tokens), `enabled` (false turns an `additional_config` section off),
+`mask_markers` (true: marker and padding keys are hidden from every query but
+their own; see docs/accuracy.md for what it does to answers). Any other
 key in the `additional_config` section is refused at start-up (a typo would
 otherwise silently leave a default in force).
 """
@@ -29,7 +31,7 @@ CONNECTOR_NAME = "MiniPICConnector"
 # Every key minipic reads from its additional_config section, in one place: the
 # span protocol's fields (so a marker added there is allowed here) and the switch.
 ENGINE_OPTION_KEYS = frozenset(
-    {"enabled", *(field.name for field in dataclasses.fields(SpanProtocol))})
+    {"enabled", "mask_markers", *(field.name for field in dataclasses.fields(SpanProtocol))})
 
 
 class UnknownOptionError(ValueError):
@@ -82,3 +84,11 @@ def span_protocol_of(vllm_config: Any):
     return resolve_span_protocol(minipic_options(vllm_config) or {}, mc.tokenizer,
                                  revision=mc.tokenizer_revision,
                                  trust_remote_code=mc.trust_remote_code)
+
+
+def mask_markers(vllm_config: Any) -> bool:
+    """Whether attention hides marker and padding keys (option `mask_markers`)."""
+    value = (minipic_options(vllm_config) or {}).get("mask_markers", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{CONFIG_KEY}.mask_markers must be true or false, got {value!r}")
+    return value

@@ -39,6 +39,7 @@ def _no_runner() -> Any:
 
 _runner: Callable[[], Any] = _no_runner  # a weak reference to the registered runner
 _protocol: SpanProtocol | None = None
+_mask_markers = False  # hide marker and padding keys (minipic option mask_markers)
 _mrv2_idx_mapping: torch.Tensor | None = None  # rows of the batch being run (MRV2)
 
 
@@ -46,7 +47,7 @@ class OneEnginePerProcessError(RuntimeError):
     """A second minipic engine in a process that still runs one."""
 
 
-def register_runner(runner: Any, protocol: SpanProtocol) -> None:
+def register_runner(runner: Any, protocol: SpanProtocol, mask_markers: bool = False) -> None:
     """Called when minipic's worker builds its model runner (see _vllm_patches).
 
     The runner and the rope (attention.rope) are per process: a second live minipic
@@ -62,7 +63,8 @@ def register_runner(runner: Any, protocol: SpanProtocol) -> None:
                 "minipic serves one engine per process, and this process runs one already: "
                 "shut it down first, or keep vLLM's engine processes "
                 "(VLLM_ENABLE_V1_MULTIPROCESSING=1, the default)")
-    _runner, _protocol = weakref.ref(runner), protocol
+    global _mask_markers
+    _runner, _protocol, _mask_markers = weakref.ref(runner), protocol, mask_markers
 
 
 def note_mrv2_batch(idx_mapping: torch.Tensor) -> None:
@@ -96,13 +98,17 @@ class SpanLayout:
     span_of: torch.Tensor
     context_pos: torch.Tensor
     shift: torch.Tensor
+    # [reqs, tokens] bool, with mask_markers only: marker and padding keys of the
+    # prompt, which no query but their own sees.
+    quiet: torch.Tensor | None = None
 
     def has_links(self) -> bool:
         return bool(self.shift.any())
 
     def is_plain(self) -> bool:
-        """Stock causal attention: no spans, no links."""
-        return not bool((self.span_of >= 0).any()) and not self.has_links()
+        """Stock causal attention: no spans, no links, nothing quiet."""
+        quiet = self.quiet is not None and bool(self.quiet.any())
+        return not bool((self.span_of >= 0).any()) and not self.has_links() and not quiet
 
 
 def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_size: int,
@@ -153,9 +159,8 @@ def _carried_span_block(block, last_index, is_ssep, is_link, in_link) -> torch.T
     return torch.where(in_link, carried.clamp(max=num_blocks), block)
 
 
-def _block_first_tokens(num_reqs: int, block_size: int
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The batch's first token of every block, and its prompt lengths."""
+def _token_rows(num_reqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch's token-id rows [reqs, max_len] (prompt and output), and prompt lengths."""
     runner = _runner()
     if runner is None:
         return None
@@ -166,19 +171,30 @@ def _block_first_tokens(num_reqs: int, block_size: int
         states = runner.req_states
         # prompt_len, not prefill_len: after a preemption prefill_len includes generated
         # tokens, which never start a span (the hasher counts prompt tokens only).
-        return states.all_token_ids.gpu[:, ::block_size][rows], states.prompt_len.gpu[rows]
+        return states.all_token_ids.gpu[rows], states.prompt_len.gpu[rows]
     batch = runner.input_batch
-    return (batch.token_ids_cpu_tensor[:num_reqs, ::block_size],
+    return (batch.token_ids_cpu_tensor[:num_reqs],
             torch.from_numpy(batch.num_prompt_tokens[:num_reqs]))
+
+
+def quiet_keys(tokens: torch.Tensor, prompt_lens: torch.Tensor,
+               protocol: SpanProtocol) -> torch.Tensor:
+    """[reqs, tokens] bool: the prompts' marker and padding tokens."""
+    ids = torch.tensor(sorted(protocol.markers | {protocol.pad_token_id}), device=tokens.device)
+    position = torch.arange(tokens.shape[1], device=tokens.device)
+    return torch.isin(tokens, ids) & (position[None, :] < prompt_lens.to(tokens.device)[:, None])
 
 
 def current_layout(num_reqs: int, block_size: int) -> SpanLayout | None:
     """The SpanLayout of the batch being built; None if unknown (dummy runs)."""
-    found = _block_first_tokens(num_reqs, block_size)
+    found = _token_rows(num_reqs)
     if found is None:
         return None
-    firsts, prompt_lens = found
-    return span_layout(firsts, _protocol, block_size, prompt_lens)
+    tokens, prompt_lens = found
+    layout = span_layout(tokens[:, ::block_size], _protocol, block_size, prompt_lens)
+    if _mask_markers:
+        layout.quiet = quiet_keys(tokens, prompt_lens, _protocol)
+    return layout
 
 
 def query_blocks(query_start_loc: list[int], seq_lens: list[int], block_size: int,
@@ -216,6 +232,8 @@ def visible_keys(layout: SpanLayout, row: int, seq_len: int, num_queries: int,
     q_span, q_context = span[q, None], context[q, None]
     same_span = span[None, :] == q_span
     visible = torch.where(q_span >= 0, same_span, context[None, :] <= q_context)
+    if layout.quiet is not None:  # a quiet key is seen by its own query only
+        visible &= ~layout.quiet[row, :seq_len].to(device)[None, :] | (key_pos[None, :] == key_pos[q, None])
     return visible & (key_pos[None, :] <= key_pos[q, None])
 
 

@@ -344,7 +344,7 @@ def test_kv_layout_separates_what_changes_page_bytes(monkeypatch):
 
     from minipic.connector.scheduler.identity import kv_layout
 
-    def layout(tp: int = 1) -> dict:
+    def layout(tp: int = 1, minipic: dict | None = None) -> dict:
         spec = SimpleNamespace(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16",
                                page_size_bytes=16 * 8 * 128 * 2 * 2)
         kv_cache_config = SimpleNamespace(kv_cache_groups=[
@@ -352,7 +352,8 @@ def test_kv_layout_separates_what_changes_page_bytes(monkeypatch):
         vllm_config = SimpleNamespace(
             model_config=SimpleNamespace(quantization=None),
             cache_config=SimpleNamespace(kv_cache_layout=None),
-            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+            kv_transfer_config=None, additional_config={"minipic": minipic or {}})
         connector = SimpleNamespace(get_required_kvcache_layout=lambda config: "HND")
         return kv_layout(vllm_config, kv_cache_config, connector)
 
@@ -360,5 +361,7 @@ def test_kv_layout_separates_what_changes_page_bytes(monkeypatch):
     default = layout()
     assert "env_kv_cache_layout" not in default  # stores made without it keep their name
     assert layout(tp=2) != default
+    assert layout(minipic={"mask_markers": False}) == default
+    assert layout(minipic={"mask_markers": True}) != default  # other KV for every span
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
     assert layout() != default

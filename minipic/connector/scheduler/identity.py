@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+from minipic.config import mask_markers
 from minipic.protocol import SpanProtocol
 
 # Keys of an HF config that say nothing about the weights' meaning.
@@ -64,6 +65,9 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any, connector_cls: Any) -> dic
     env_layout = os.environ.get("VLLM_KV_CACHE_LAYOUT")
     if env_layout:
         layout["env_kv_cache_layout"] = env_layout
+    # Hidden marker keys change every later key's value: only when set, as above.
+    if mask_markers(vllm_config):
+        layout["mask_markers"] = True
     return layout
 
 
