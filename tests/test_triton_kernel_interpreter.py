@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Header, span 1 (2 blocks), span 2 (2 blocks), link 1, link 2, PDep task (block size 16).
+LINKS = "-S-S-LLP"
 
 # name -> (make_case kwargs, launch options). Tiny shapes: the interpreter runs
 # every program in numpy. Block size 16 as vLLM requires; tiles of 16 keys.
@@ -48,29 +50,56 @@ CASES = {
     # short queries over cached prefixes: split KV too (a span-hit final prompt)
     "short_split_kv_fp16": (dict(query_lens=[5, 3, 1], context_lens=[70, 40, 0], num_q_heads=4,
                                  num_kv_heads=2, head_size=64), {"split_kv": True}),
-    # minipic span segments: request 0 = header block, SSep span of 2 blocks, PDep block;
-    # request 1 = decode inside an SSep span that starts at its second block.
+    # minipic span segments (markers: one character per block, see make_case): request 0 =
+    # header block, SSep span of 2 blocks, PDep block; request 1 = decode inside an SSep
+    # span that starts at its second block.
     "segments_mixed_fp16": (dict(query_lens=[60, 1], context_lens=[0, 40], num_q_heads=4,
-                                 num_kv_heads=2, head_size=64,
-                                 segment_starts=[[0, 16, 16, 0], [0, 16, 16]]), {}),
+                                 num_kv_heads=2, head_size=64, markers=["-S-P", "-S-"]), {}),
     "segments_split_kv_fp32": (dict(query_lens=[1, 1], context_lens=[40, 20], num_q_heads=4,
                                     num_kv_heads=2, head_size=32, dtype="float32",
-                                    segment_starts=[[0, 16, 32], [0, 16]]), {"split_kv": True}),
+                                    markers=["-SS", "-S"]), {"split_kv": True}),
     # the same, split: span queries see no key in the earlier KV segments
     "segments_short_split_kv_fp16": (dict(query_lens=[60, 1], context_lens=[0, 40],
                                           num_q_heads=4, num_kv_heads=2, head_size=64,
-                                          segment_starts=[[0, 16, 16, 0], [0, 16, 16]]),
-                                     {"split_kv": True}),
+                                          markers=["-S-P", "-S-"]), {"split_kv": True}),
     # a span whose visible logits are all far below 0, after a tile it cannot see: the
     # softmax must be weighed against the span's own max, or its weights underflow
     "segments_negative_logits_fp16": (dict(query_lens=[1], context_lens=[63], num_q_heads=2,
                                            num_kv_heads=1, head_size=32, rotary_dim=16,
-                                           segment_starts=[[0, 0, 32, 32]]),
+                                           markers=["--S-"]),
                                       {"config": "PREFILL_SMALL", "logit": -20.0}),
+    # EPIC link blocks (LINKS): links 1 and 2 carry the first blocks of spans 1 and 2 at
+    # their logical positions; the task sees them in place of the spans' solo heads.
+    # Whole prompt at once, next to a plain request:
+    "links_prefill_fp16": (dict(query_lens=[122, 9], context_lens=[0, 5], num_q_heads=4,
+                                num_kv_heads=2, head_size=32, markers=[LINKS, ""]), {}),
+    # the EPIC hit: header and spans cached, links and task computed
+    "links_after_span_hit_fp16": (dict(query_lens=[42], context_lens=[80], num_q_heads=4,
+                                       num_kv_heads=2, head_size=32, markers=[LINKS]),
+                                  {"config": "PREFILL_SMALL"}),
+    # decode after the links (the replaced heads stay hidden), 2D and split KV
+    "links_decode_fp32": (dict(query_lens=[1, 1], context_lens=[121, 130], num_q_heads=4,
+                               num_kv_heads=2, head_size=32, dtype="float32",
+                               markers=[LINKS, LINKS + "-"]), {}),
+    "links_decode_split_kv_fp16": (dict(query_lens=[1, 1], context_lens=[121, 100],
+                                        num_q_heads=4, num_kv_heads=2, head_size=32,
+                                        markers=[LINKS, "-S-S-L"]), {"split_kv": True}),
+    "links_short_split_kv_fp16": (dict(query_lens=[42, 3], context_lens=[80, 40], num_q_heads=4,
+                                       num_kv_heads=2, head_size=32, markers=[LINKS, "-SL"]),
+                                  {"split_kv": True}),
+    # GQA groups of 3 and of 4 (MQA-like rows sharing one K tile)
+    "links_group3_fp32": (dict(query_lens=[42], context_lens=[80], num_q_heads=6,
+                               num_kv_heads=2, head_size=32, dtype="float32", markers=[LINKS]),
+                          {}),
+    "links_mqa_gptj_fp16": (dict(query_lens=[122], context_lens=[0], num_q_heads=4,
+                                 num_kv_heads=1, head_size=32, is_neox=False, markers=[LINKS]),
+                            {"config": "PREFETCH"}),
 }
 TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
 # Through MiniPICTritonImpl.forward, with the KV cache in each vLLM layout.
 BACKEND_CASES = ("backend_forward_5d_cache", "backend_forward_4d_cache")
+# Through the backend's KV cache write and forward with EPIC links: Q and K turned back.
+BACKEND_LINK_CASE = "backend_links_turn_back_fp32"
 
 
 def _run_case(name: str) -> float:
@@ -102,8 +131,15 @@ def _run_case(name: str) -> float:
         case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
-        is_neox_style=case.is_neox, config=config, segment_starts=case.segment_starts, **segm)
+        is_neox_style=case.is_neox, config=config, **_span_tables(case), **segm)
     return relative_error(out, reference_attention(case))
+
+
+def _span_tables(case) -> dict:
+    if case.layout is None:
+        return {}
+    return dict(span_of=case.layout.span_of, context_pos=case.layout.context_pos,
+                segment_block_size=case.block_size)
 
 
 def _set_every_logit(case, logit: float) -> None:
@@ -160,6 +196,88 @@ def _run_backend_forward(name: str) -> float | str:
     return relative_error(out, reference_attention(case))
 
 
+def _run_backend_links() -> float | str:
+    """Child process: link tokens through MiniPICTritonImpl.do_kv_cache_update and forward,
+    against attention computed at the tokens' logical positions (each link token at its
+    index minus its shift) under segments.visible_keys: no turn-back in the reference."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        return "skipped: vllm is not installed"
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    from minipic.attention import rope as rope_registry
+    from minipic.attention import triton_backend as tb
+    from minipic.attention import triton_kernel as tk
+    from minipic.attention.rotation import rotate
+    from minipic.attention.segments import token_shifts, visible_keys
+    from minipic.devtools.paged_attention_case import make_case, relative_error
+
+    # the EPIC hit (links and task computed over cached header and spans), a decode in a link
+    case = make_case([42, 1], [80, 100], num_q_heads=4, num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, markers=[LINKS, "-S-S-L"], seed=11)
+    layout, bs, dim = case.layout, case.block_size, 32
+    rope_registry._current = rope_registry.RopeParams(
+        head_size=dim, rotary_dim=case.rotary_dim, is_neox_style=case.is_neox,
+        cos_sin_fp32=case.cos_sin)
+    tb.current_rope = rope_registry.current_rope  # undo _run_backend_forward's stand-in
+    seq_lens = case.seq_lens.tolist()
+    shift = [layout.shift[i, torch.arange(n) // bs].long() for i, n in enumerate(seq_lens)]
+    k_raw = [case.k_cache[case.block_table[i, torch.arange(n) // bs].long(), torch.arange(n) % bs]
+             for i, n in enumerate(seq_lens)]  # what the model computes, unrotated
+
+    # Every key written as the steps that computed them would: one write of all tokens.
+    stored = {}
+    TritonAttentionImpl.do_kv_cache_update = (
+        lambda self, layer, key, value, kv_cache, slot_mapping: stored.update(key=key))
+    whole = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
+    tb.batch_metadata = lambda layer: SimpleNamespace(
+        minipic_token_shift=token_shifts(layout, whole, seq_lens, bs))
+    impl = tb.MiniPICTritonImpl(num_heads=4, head_size=dim, scale=case.scale, num_kv_heads=2,
+                                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    impl.do_kv_cache_update(None, torch.cat(k_raw), None, None, None)
+    k_cache = case.k_cache.clone()
+    for i, n in enumerate(seq_lens):
+        rows = stored["key"][whole[i]: whole[i + 1]]
+        k_cache[case.block_table[i, torch.arange(n) // bs].long(), torch.arange(n) % bs] = rows
+
+    starts = case.cu_seqlens_q.tolist()
+    q_raw = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(5))
+    physical = torch.cat([torch.arange(c, c + q) for q, c in zip(case.query_lens,
+                                                                   case.context_lens)])
+    query = rotate(q_raw, physical, case.cos_sin, case.rotary_dim, case.is_neox)  # the model's Q
+    segm = tk.segment_buffers(64, 4, dim, "cpu")
+    md = SimpleNamespace(
+        num_actual_tokens=query.shape[0], query_start_loc=case.cu_seqlens_q,
+        seq_lens=case.seq_lens, max_query_len=case.max_seqlen_q, block_table=case.block_table,
+        causal=True, mm_prefix_range_tensor=None, seq_threshold_3D=8,
+        softmax_segm_output=segm[0], softmax_segm_max=segm[1], softmax_segm_expsum=segm[2],
+        minipic_span_of=layout.span_of, minipic_context_pos=layout.context_pos,
+        minipic_has_spans=True, minipic_segment_block_size=bs,
+        minipic_token_shift=token_shifts(layout, starts, seq_lens, bs))
+    out = torch.full_like(query, float("nan"))
+    impl.forward(None, query, None, None, torch.stack((k_cache, case.v_cache), dim=1), md, out)
+
+    ref = torch.empty(query.shape, dtype=torch.float64)
+    for i, n in enumerate(seq_lens):
+        logical = torch.arange(n) - shift[i]
+        q_len = case.query_lens[i]
+        q = rotate(q_raw[starts[i]: starts[i + 1]], logical[n - q_len:], case.cos_sin,
+                   case.rotary_dim, case.is_neox).double()
+        k = rotate(k_raw[i], logical, case.cos_sin, case.rotary_dim, case.is_neox).double()
+        v = case.v_cache[case.block_table[i, torch.arange(n) // bs].long(),
+                         torch.arange(n) % bs].double()
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
+        visible = visible_keys(layout, i, n, q_len, bs)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        ref[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return relative_error(out, ref)
+
+
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, float]:
     if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
@@ -180,7 +298,7 @@ def test_kernel_matches_reference(interpreter_errors, name):
     assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("name", BACKEND_CASES)
+@pytest.mark.parametrize("name", [*BACKEND_CASES, BACKEND_LINK_CASE])
 def test_backend_forward_matches_reference(interpreter_errors, name):
     err = interpreter_errors[name]
     if isinstance(err, str) and err.startswith("skipped"):
@@ -202,4 +320,8 @@ if __name__ == "__main__":
             results[case_name] = _run_backend_forward(case_name)
         except Exception as exc:
             results[case_name] = f"{type(exc).__name__}: {exc}"
+    try:
+        results[BACKEND_LINK_CASE] = _run_backend_links()
+    except Exception as exc:
+        results[BACKEND_LINK_CASE] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(results))

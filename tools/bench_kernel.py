@@ -7,9 +7,10 @@ read the same keys pre-rotated (what stock vLLM stores):
 
   stock         vLLM's Triton `unified_attention` (the TRITON_ATTN backend's kernel)
   stock_again   the same, timed a second time: the noise floor of a ratio
-  minipic       minipic's kernel, as the backend launches it (default configs, with the
-                span-segment table the backend always passes; all zeros here: no markers)
-  minipic_noseg the same without the segment table (HAS_SEGMENTS compiled out)
+  minipic       minipic's kernel with default configs and span tables that say "no spans"
+                (what a CUDA graph the backend captured reads on a batch without markers)
+  minipic_noseg the same without the tables (HAS_SEGMENTS compiled out): what the backend
+                launches eagerly for a batch without markers
   minipic_angle the same with cos/sin by angle addition (ROPE_ANGLE_ADD)
   minipic_norot minipic's kernel with the rotation compiled out, on pre-rotated K
   minipic_m16   (prefill) minipic at the stock kernel's tile shape (16 rows x 32 keys)
@@ -128,8 +129,10 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
             num_par_softmax_segments=tk.NUM_SEGMENTS, softmax_segm_output=segm[0],
             softmax_segm_max=segm[1], softmax_segm_expsum=segm[2])
 
-    # What the backend always passes: a span-segment table (all zeros when no markers).
-    seg_starts = torch.zeros(table.shape, dtype=torch.int32, device="cuda")
+    # Span tables of a batch without markers: no span, context position = key index.
+    span_of = torch.full(table.shape, -1, dtype=torch.int32, device="cuda")
+    context_pos = (torch.arange(table.shape[1], dtype=torch.int32, device="cuda") * BLOCK
+                   ).expand(table.shape).contiguous()
 
     def minipic(k=pool.k, mode=None, config=None, segments=True):
         if config is None:
@@ -142,7 +145,8 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
             block_table=table, softmax_scale=scale, cos_sin=pool.cos_sin, rotary_dim=HEAD,
             is_neox_style=True, segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
             seq_threshold_3d=SEQ_THRESHOLD_3D, config=config,
-            segment_starts=seg_starts if segments else None, segment_block_size=BLOCK)
+            span_of=span_of if segments else None,
+            context_pos=context_pos if segments else None, segment_block_size=BLOCK)
 
     def fa3():
         flash_attn_varlen_func(

@@ -1,11 +1,21 @@
 """Worker side: minipic's position-free attention backend for CUDA (Triton).
 
-It is vLLM's Triton backend with one change: attention rotates K per tile by
-the keys' logical positions (`triton_kernel.unified_attention_rope`), because
-minipic's Q-only RoPE leaves K unrotated in the cache. Everything else is
+It is vLLM's Triton backend with these changes: attention rotates K per tile
+by the keys' logical positions (`triton_kernel.unified_attention_rope`), because
+minipic's Q-only RoPE leaves K unrotated in the cache; batches with span markers
+pass the kernel their SpanLayout tables (segments.py: span segments and EPIC
+link blocks), and link tokens' Q and K are turned back by their shift first
+(attention.links), in forward and in the KV cache write. Everything else is
 inherited, so it follows the installed vLLM: the KV cache shape and layout,
 the KV cache write (which stores whatever K it is given, here unrotated), and
 the metadata builder with its static split-KV buffers (CUDA-graph safe).
+
+CUDA graphs: the span tables are static buffers and a captured launch always
+reads them, so captured decode steps keep spans and hidden span heads right.
+The link turn-back is host-driven and is not part of a captured graph: a full
+graph replay (uniform decode batches) would leave a link token's Q and K
+unturned. Decode tokens are generated after the prompt, so they sit in a link
+segment only if a prompt ends inside one (EPIC prompts end with their PDep task).
 
 Registered as `AttentionBackendEnum.CUSTOM`; minipic's attention-selector
 patch returns it whenever minipic is on, so users never pick it by hand.
@@ -26,7 +36,8 @@ from vllm.v1.attention.backends.triton_attn import (
 from minipic.attention.backend_traits import PositionFreeTraits
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.segments import current_layout, first_key_table
+from minipic.attention.links import batch_metadata, turn_back_links
+from minipic.attention.segments import SpanLayout, current_layout, token_shifts
 from minipic.attention.triton_kernel import (
     SPLIT_KV_MAX_TOKENS,
     angle_addition_holds,
@@ -64,15 +75,22 @@ class MiniPICTritonBackend(PositionFreeTraits, TritonAttentionBackend):
 
 
 class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
-    """vLLM's Triton metadata plus minipic's span-segment table (segments.py)."""
+    """vLLM's Triton metadata plus minipic's span tables and link shifts (segments.py).
+
+    Sets on the metadata: `minipic_span_of` / `minipic_context_pos` (static buffers,
+    rows of this batch rewritten each build), `minipic_has_spans` (the batch has
+    markers: the kernel applies the tables), `minipic_token_shift` (per token link
+    shifts, None without links) and `minipic_segment_block_size`."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._enlarge_split_kv_buffers()
         max_blocks = -(-vllm_config.model_config.max_model_len // self.block_size)
-        # Static: CUDA graphs capture its address; each build rewrites its rows.
-        self.segment_starts = torch.zeros(vllm_config.scheduler_config.max_num_seqs,
-                                          max_blocks, dtype=torch.int32, device=device)
+        # Static: CUDA graphs capture their addresses; each build rewrites its rows.
+        # They start as plain causal attention (no span, context position = index).
+        plain = _plain_layout(vllm_config.scheduler_config.max_num_seqs, max_blocks,
+                              self.block_size, device)
+        self.span_of, self.context_pos = plain.span_of, plain.context_pos
 
     def _enlarge_split_kv_buffers(self) -> None:
         """vLLM sizes them for decode batches (seq_threshold_3D tokens); minipic's kernel
@@ -85,18 +103,28 @@ class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        layout = None if capturing else current_layout(common_attn_metadata.num_reqs,
-                                                       self.block_size)
-        if layout is not None and layout.has_links():
+        m = common_attn_metadata
+        layout = None if _capturing() else current_layout(m.num_reqs, self.block_size)
+        if layout is not None and getattr(layout, "quiet", None) is not None:
             raise UnsupportedAttentionError(
-                "EPIC link blocks are not implemented in minipic's Triton attention yet")
-        table = None if layout is None else first_key_table(layout, self.block_size)
-        if table is not None:
-            self.segment_starts[: table.shape[0], : table.shape[1]].copy_(table, non_blocking=True)
-        metadata.minipic_segment_starts = self.segment_starts
+                "mask_markers is not implemented in minipic's Triton attention")
+        if layout is not None:
+            # Plain batches too: a full CUDA graph captured with the tables reads them.
+            self._fill_tables(layout)
+        has_spans = layout is not None and not layout.is_plain()
+        metadata.minipic_span_of = self.span_of
+        metadata.minipic_context_pos = self.context_pos
+        metadata.minipic_has_spans = has_spans
+        metadata.minipic_token_shift = _link_shifts(m, layout, self.block_size) if has_spans \
+            else None
         metadata.minipic_segment_block_size = self.block_size
         return metadata
+
+    def _fill_tables(self, layout: SpanLayout) -> None:
+        reqs = layout.span_of.shape[0]
+        blocks = min(layout.span_of.shape[1], self.span_of.shape[1])  # past max_model_len: unread
+        self.span_of[:reqs, :blocks].copy_(layout.span_of[:, :blocks], non_blocking=True)
+        self.context_pos[:reqs, :blocks].copy_(layout.context_pos[:, :blocks], non_blocking=True)
 
 
 class MiniPICTritonImpl(TritonAttentionImpl):
@@ -139,6 +167,7 @@ class MiniPICTritonImpl(TritonAttentionImpl):
         n = md.num_actual_tokens
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rope = current_rope()
+        query = turn_back_links(query, getattr(md, "minipic_token_shift", None))
         unified_attention_rope(
             query[:n], key_cache, value_cache, output[:n],
             cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens,
@@ -148,10 +177,16 @@ class MiniPICTritonImpl(TritonAttentionImpl):
             segm_output=md.softmax_segm_output, segm_max=md.softmax_segm_max,
             segm_expsum=md.softmax_segm_expsum, seq_threshold_3d=md.seq_threshold_3D,
             allow_angle_addition=self._angle_addition_ok,
-            segment_starts=getattr(md, "minipic_segment_starts", None),
-            segment_block_size=getattr(md, "minipic_segment_block_size", None),
+            **_span_tables(md),
         )
         return output
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """vLLM's cache write, with link tokens' K turned back first (attention.links)."""
+        md = batch_metadata(layer)
+        key = turn_back_links(key, getattr(md, "minipic_token_shift", None))
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def _rope_table(self, device: torch.device) -> torch.Tensor:
         """The model's fp32 cos/sin table on `device`, checked and moved once."""
@@ -167,12 +202,48 @@ class MiniPICTritonImpl(TritonAttentionImpl):
         return self._cos_sin
 
 
+def _plain_layout(reqs: int, blocks: int, block_size: int, device) -> SpanLayout:
+    """Tables that say "no spans, no links": stock causal attention."""
+    span_of = torch.full((reqs, blocks), -1, dtype=torch.int32, device=device)
+    context_pos = (torch.arange(blocks, dtype=torch.int32, device=device) * block_size
+                   ).expand(reqs, -1).contiguous()
+    return SpanLayout(span_of, context_pos, torch.zeros_like(span_of))
+
+
+def _link_shifts(m, layout: SpanLayout, block_size: int) -> torch.Tensor | None:
+    """Per token of the batch, its link shift on the device; None without links (host
+    lists from the metadata's CPU copies: this runs for batches with links only)."""
+    if not layout.has_links():
+        return None
+    query_start_loc = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+    seq_lens_cpu = getattr(m, "seq_lens_cpu", None)  # a property on vLLM 0.25
+    seq_lens = (m.seq_lens if seq_lens_cpu is None else seq_lens_cpu)[: m.num_reqs].tolist()
+    shifts = token_shifts(layout, query_start_loc, seq_lens, block_size)
+    return shifts.to(m.query_start_loc.device, non_blocking=True)
+
+
 def _angle_addition_holds_cached(rope, table: torch.Tensor) -> bool:
     """Once per model (layers share its rope). Reads the table back: load time, never
     in a forward. Kept on the rope's parameters, which live exactly as long as the model."""
     if getattr(rope, "angle_addition_ok", None) is None:
         rope.angle_addition_ok = angle_addition_holds(table)
     return rope.angle_addition_ok
+
+
+def _span_tables(md) -> dict:
+    """The kernel's span-table arguments: none for a batch without markers (the
+    stock-shaped launch), except under CUDA graph capture, whose launch is replayed
+    for later batches that may have markers (the tables then hold each batch's rows)."""
+    if getattr(md, "minipic_span_of", None) is None:
+        return {}  # metadata not built by MiniPICTritonMetadataBuilder (unit tests)
+    if not md.minipic_has_spans and not _capturing():
+        return {}
+    return dict(span_of=md.minipic_span_of, context_pos=md.minipic_context_pos,
+                segment_block_size=md.minipic_segment_block_size)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,6 +108,27 @@ def _load_cos_sin(j, kv_end, cos_sin_ptr, offs_r, r_mask, cos_sin_stride,
 
 
 @triton.jit
+def _span_and_context(span_of_ptr, context_pos_ptr, seg_row, pos, mask, SEG_BLOCK: tl.constexpr):
+    """Per token at `pos`: its span (-1: none) and its logical position as a query outside
+    spans sees it (SpanLayout.context_pos of its block plus its offset in the block)."""
+    entry = seg_row + pos // SEG_BLOCK
+    span = tl.load(span_of_ptr + entry, mask=mask, other=-1)
+    context = tl.load(context_pos_ptr + entry, mask=mask, other=0) + pos % SEG_BLOCK
+    return span, context
+
+
+@triton.jit
+def _span_visible(q_span, q_context, k_span, k_context):
+    """segments.visible_keys without the causal part, (rows, keys): a query in an SSep span
+    sees its own span's keys; any other query sees keys at logical positions up to its own
+    (a span head replaced by its link is HIDDEN, past every position)."""
+    in_span = q_span[:, None] >= 0
+    same_span = k_span[None, :] == q_span[:, None]
+    logically_before = k_context[None, :] <= q_context[:, None]
+    return tl.where(in_span, same_span, logically_before)
+
+
+@triton.jit
 def minipic_attention_kernel(
     out_ptr,  # [tokens, q_heads, head_size]
     q_ptr,  # [tokens, q_heads, head_size], rotated
@@ -117,7 +138,8 @@ def minipic_attention_kernel(
     block_tables_ptr,  # [seqs, max_blocks]
     seq_lens_ptr,  # [seqs]
     query_start_loc_ptr,  # [seqs + 1]
-    seg_starts_ptr,  # HAS_SEGMENTS: [seqs, blocks] int32, first key a block's queries see
+    span_of_ptr,  # HAS_SEGMENTS: [seqs, blocks] int32, segments.SpanLayout.span_of
+    context_pos_ptr,  # HAS_SEGMENTS: [seqs, blocks] int32, SpanLayout.context_pos
     segm_out_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32
     segm_max_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
     segm_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
@@ -137,7 +159,7 @@ def minipic_attention_kernel(
     v_stride_2: tl.int64,
     v_stride_3: tl.constexpr,
     cos_sin_stride: tl.int64,
-    seg_starts_stride: tl.int64,
+    seg_stride: tl.int64,  # row stride of both span tables
     NUM_QUERY_HEADS: tl.constexpr,
     NUM_QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -155,8 +177,8 @@ def minipic_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     IS_3D: tl.constexpr,
     PREFETCH: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr,  # minipic span segments (see minipic.attention.segments)
-    SEG_BLOCK: tl.constexpr,  # block size the segment table is indexed by
+    HAS_SEGMENTS: tl.constexpr,  # minipic spans and links (see minipic.attention.segments)
+    SEG_BLOCK: tl.constexpr,  # block size the span tables are indexed by
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -226,9 +248,9 @@ def minipic_attention_kernel(
     block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
     query_abs_pos = context_len + q_pos
     if HAS_SEGMENTS:
-        # A query inside an SSep span sees keys from the span's first block only.
-        first_key = tl.load(seg_starts_ptr + seq_idx.to(tl.int64) * seg_starts_stride
-                            + query_abs_pos // SEG_BLOCK, mask=row_mask, other=0)
+        seg_row = seq_idx.to(tl.int64) * seg_stride
+        q_span, q_context = _span_and_context(span_of_ptr, context_pos_ptr, seg_row,
+                                              query_abs_pos, row_mask, SEG_BLOCK)
 
     # Keys this program reads: the causal bound, and its segment's end in 3D.
     kv_end = tl.minimum(kv_hi, tile_hi * TILE_SIZE)
@@ -287,7 +309,9 @@ def minipic_attention_kernel(
         S = S * qk_scale
         visible = row_mask[:, None] & (offs_t[None, :] <= query_abs_pos[:, None])
         if HAS_SEGMENTS:
-            visible = visible & (offs_t[None, :] >= first_key[:, None])
+            k_span, k_context = _span_and_context(span_of_ptr, context_pos_ptr, seg_row,
+                                                  offs_t, t_mask, SEG_BLOCK)
+            visible = visible & _span_visible(q_span, q_context, k_span, k_context)
         S = tl.where(visible, S, float("-inf"))
 
         # Online softmax (base 2). M stays the true running max, -inf while a row has
@@ -480,7 +504,8 @@ def unified_attention_rope(
     seq_threshold_3d: int | None = None,
     config: LaunchConfig | None = None,
     allow_angle_addition: bool = True,
-    segment_starts: torch.Tensor | None = None,
+    span_of: torch.Tensor | None = None,
+    context_pos: torch.Tensor | None = None,
     segment_block_size: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of rotated `q` over unrotated K, rotating K per tile.
@@ -495,9 +520,11 @@ def unified_attention_rope(
     Host-side work is shape arithmetic only, so the launch can be captured in a
     CUDA graph. Pass `allow_angle_addition=False` for a table
     `angle_addition_holds` rejects.
-    `segment_starts` [seqs, blocks] int32 (from minipic.attention.segments,
-    indexed by `segment_block_size`-token blocks) cuts each query's keys at the
-    start of its span segment.
+    `span_of` and `context_pos` [seqs, blocks] int32 (segments.SpanLayout, indexed
+    by `segment_block_size`-token blocks, same strides) apply the span and link
+    rules of segments.visible_keys per tile; without them (HAS_SEGMENTS off) the
+    launch is plain causal attention and reads no table. Link tokens' Q and K must
+    already be turned back (attention.links): the kernel rotates keys by index.
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -528,15 +555,16 @@ def unified_attention_rope(
     else:
         num_segments = 1
         grid = (num_q_blocks, num_kv_heads)
-    has_segments = segment_starts is not None
+    has_segments = _check_span_tables(span_of, context_pos)
     minipic_attention_kernel[grid](
         out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
-        segment_starts if has_segments else block_table,  # any pointer when unused
+        span_of if has_segments else block_table,  # any pointer when unused
+        context_pos if has_segments else block_table,
         segm_output, segm_max, segm_expsum,
         softmax_scale * _LOG2E, num_seqs,
         block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
-        segment_starts.stride(0) if has_segments else 0,
+        span_of.stride(0) if has_segments else 0,
         NUM_QUERY_HEADS=num_q_heads,
         NUM_QUERIES_PER_KV=queries_per_kv,
         BLOCK_SIZE=block_size,
@@ -570,6 +598,21 @@ def unified_attention_rope(
             NUM_SEGMENTS=num_segments,
         )
     return out
+
+
+def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor | None) -> bool:
+    """Whether the launch has span tables; both or neither, int32, one shape and stride."""
+    if span_of is None and context_pos is None:
+        return False
+    if span_of is None or context_pos is None:
+        raise ValueError("span_of and context_pos come together (segments.SpanLayout)")
+    for table in (span_of, context_pos):
+        if table.dtype != torch.int32 or table.dim() != 2 or table.stride(1) != 1:
+            raise ValueError(f"span tables must be int32 [seqs, blocks] with unit stride on "
+                             f"blocks, got {table.dtype} {tuple(table.shape)} {table.stride()}")
+    if span_of.shape != context_pos.shape or span_of.stride() != context_pos.stride():
+        raise ValueError("span_of and context_pos must share shape and strides")
+    return True
 
 
 def segment_buffers(max_tokens: int, num_q_heads: int, head_size: int,

@@ -13,6 +13,12 @@ import dataclasses
 import torch
 
 from minipic.attention.rotation import rotate
+from minipic.attention.segments import SpanLayout, span_layout, visible_keys
+from minipic.protocol import SpanProtocol
+
+# Block kinds in `make_case(markers=...)`: one character per block, what its first token is.
+MARKER_TOKENS = {"-": 10, "S": 3, "P": 4, "L": 6}  # plain, SSep, PDep, link
+MARKERS = SpanProtocol(ssep_token_id=3, pdep_token_id=4, pad_token_id=5, link_token_id=6)
 
 
 @dataclasses.dataclass
@@ -29,8 +35,8 @@ class PagedCase:
     rotary_dim: int
     is_neox: bool
     scale: float
-    # Span segments: first key each block's queries may see, [seqs, max_blocks] int32.
-    segment_starts: torch.Tensor | None = None
+    # Spans and links (segments.SpanLayout, [seqs, max_blocks]); None: plain causal.
+    layout: SpanLayout | None = None
 
     @property
     def max_seqlen_q(self) -> int:
@@ -79,11 +85,13 @@ def make_case(query_lens: list[int], context_lens: list[int], *, num_q_heads: in
               is_neox: bool = True, dtype: torch.dtype = torch.float16,
               device: str | torch.device = "cpu", block_size: int = 16,
               spare_blocks: int = 3, mscale: float = 1.0, seed: int = 0,
-              segment_starts: list[list[int]] | None = None) -> PagedCase:
+              markers: list[str] | None = None) -> PagedCase:
     """Requests with `context_lens` cached keys then `query_lens` new tokens each.
 
     Blocks are assigned in random order; unowned slots hold NaN so a kernel that
-    reads past a request's keys shows it.
+    reads past a request's keys shows it. `markers`, one string per request, one
+    character per block (MARKER_TOKENS: '-' plain, 'S' SSep, 'P' PDep, 'L' link),
+    gives the case the SpanLayout minipic's backends compute from such a prompt.
     """
     gen = torch.Generator().manual_seed(seed)
     rotary_dim = head_size if rotary_dim is None else rotary_dim
@@ -122,14 +130,23 @@ def make_case(query_lens: list[int], context_lens: list[int], *, num_q_heads: in
         query_lens=list(query_lens), context_lens=list(context_lens),
         cos_sin=rope_table(rotary_dim, max_pos, mscale=mscale, device=device),
         rotary_dim=rotary_dim, is_neox=is_neox, scale=head_size ** -0.5,
-        segment_starts=None if segment_starts is None else torch.tensor(
-            [row + [0] * (max_blocks - len(row)) for row in segment_starts],
-            dtype=torch.int32, device=device),
+        layout=None if markers is None else marker_layout(markers, max_blocks, block_size,
+                                                           device),
     )
 
 
+def marker_layout(markers: list[str], min_blocks: int, block_size: int,
+                  device: str | torch.device = "cpu") -> SpanLayout:
+    """The SpanLayout of requests whose blocks start as `markers` says (see make_case)."""
+    width = max(min_blocks, *map(len, markers))
+    firsts = [[MARKER_TOKENS[c] for c in row.ljust(width, "-")] for row in markers]
+    found = span_layout(torch.tensor(firsts), MARKERS, block_size)
+    return SpanLayout(*(t.to(device) for t in (found.span_of, found.context_pos, found.shift)))
+
+
 def reference_attention(case: PagedCase) -> torch.Tensor:
-    """Rotate each request's keys by position, then causal attention, in fp32/fp64 torch."""
+    """Rotate each request's keys by position, then causal attention (or the span and link
+    rule of segments.visible_keys), in fp32/fp64 torch."""
     bs = case.block_size
     num_q_heads = case.q.shape[1]
     out = torch.empty(case.q.shape, dtype=torch.float64, device=case.q.device)
@@ -147,9 +164,8 @@ def reference_attention(case: PagedCase) -> torch.Tensor:
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
         q_pos = ctx + torch.arange(q_len, device=k.device)
         visible = pos[None, :] <= q_pos[:, None]
-        if case.segment_starts is not None:
-            first_key = case.segment_starts[i].long()[q_pos // bs]
-            visible &= pos[None, :] >= first_key[:, None]
+        if case.layout is not None:  # the torch backend's rule
+            visible = visible_keys(case.layout, i, seq_len, q_len, bs)
         scores = scores.masked_fill(~visible, float("-inf"))
         out[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out

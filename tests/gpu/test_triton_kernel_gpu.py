@@ -43,10 +43,16 @@ def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D, buffer_tokens=Non
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
         is_neox_style=case.is_neox, segm_output=segm[0], segm_max=segm[1],
-        segm_expsum=segm[2], seq_threshold_3d=threshold, config=config,
-        segment_starts=case.segment_starts)
+        segm_expsum=segm[2], seq_threshold_3d=threshold, config=config, **span_tables(case))
     torch.cuda.synchronize()
     return out
+
+
+def span_tables(case) -> dict:
+    if case.layout is None:
+        return {}
+    return dict(span_of=case.layout.span_of, context_pos=case.layout.context_pos,
+                segment_block_size=case.block_size)
 
 
 def check(batch, *, num_q_heads=8, num_kv_heads=2, head_size=128, rotary_dim=None,
@@ -174,17 +180,13 @@ def test_cuda_graph_replay_follows_new_lengths():
         assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
 
 
-def random_segments(seq_len: int, block_size: int, rng) -> list[int]:
-    """A request's blocks as header / SSep spans / PDep blocks: first visible key per block."""
-    starts, current = [], 0
-    for b in range(-(-seq_len // block_size)):
+def random_segments(seq_len: int, block_size: int, rng) -> str:
+    """A request's blocks as header / SSep spans / PDep blocks (make_case's markers)."""
+    kinds = ["-"]
+    for _ in range(1, -(-seq_len // block_size)):
         roll = rng.random()
-        if b > 0 and roll < 0.3:
-            current = b * block_size  # SSep block: a new span starts here
-        elif b > 0 and roll < 0.4:
-            current = 0  # PDep block: sees everything again
-        starts.append(current)
-    return starts
+        kinds.append("S" if roll < 0.3 else "P" if roll < 0.4 else "-")
+    return "".join(kinds)
 
 
 @pytest.mark.parametrize("batch", ["mixed_long", "mixed_short", "decode_split", "decode_many"])
@@ -196,7 +198,79 @@ def test_span_segments(batch, dtype):
     query_lens, context_lens = BATCHES[batch]
     segments = [random_segments(q + c, 16, rng) for q, c in zip(query_lens, context_lens)]
     case = make_case(query_lens, context_lens, num_q_heads=8, num_kv_heads=2, head_size=128,
-                     dtype=dtype, device="cuda", seed=3, segment_starts=segments)
+                     dtype=dtype, device="cuda", seed=3, markers=segments)
     for config in (None, tk.PREFILL, tk.DECODE_2D):
         err = relative_error(run_minipic(case, config), reference_attention(case))
         assert err < TOLERANCE[dtype], f"{config}: relative error {err:.2e}"
+
+
+def epic_markers(num_docs: int, doc_blocks: int, link_blocks: int, task_blocks: int) -> str:
+    """An EPIC prompt's blocks: header, the documents as SSep spans, one link per document
+    carrying its first `link_blocks` blocks, then the PDep task."""
+    doc = "S" + "-" * (doc_blocks - 1)
+    link = "L" + "-" * (link_blocks - 1)
+    return "-" + doc * num_docs + link * num_docs + "P" + "-" * (task_blocks - 1)
+
+
+# (query_lens, context_lens, markers): the EPIC hit (spans cached, links and task computed),
+# a whole EPIC prompt, decodes after the links (replaced heads hidden), a plain request
+LINK_BATCHES = {
+    "hit_and_decode": ([160 + 40, 1, 1, 7], [16 + 640, 800, 16 + 288 + 96 + 50, 20],
+                       [epic_markers(10, 4, 1, 3), epic_markers(3, 12, 2, 8),
+                        epic_markers(3, 6, 2, 5), ""]),
+    "whole_prompt": ([16 + 288 + 96 + 50, 130], [0, 0],
+                     [epic_markers(3, 6, 2, 5), epic_markers(2, 3, 1, 2)]),
+    "decode_split": ([1, 1, 1], [16 + 640 + 160 + 30, 810, 33],
+                     [epic_markers(10, 4, 1, 3), epic_markers(3, 12, 2, 8), "-SL"]),
+}
+
+
+@pytest.mark.parametrize("batch", sorted(LINK_BATCHES))
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (6, 2), (8, 1)],
+                         ids=["gqa4", "group3", "mqa8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_link_blocks(batch, num_q_heads, num_kv_heads, dtype):
+    """EPIC link blocks: the kernel's per-tile rule equals segments.visible_keys."""
+    query_lens, context_lens, markers = LINK_BATCHES[batch]
+    case = make_case(query_lens, context_lens, num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, head_size=128, dtype=dtype, device="cuda",
+                     seed=4, markers=markers)
+    assert case.layout.shift.any()  # the case has links
+    for config in (None, tk.PREFILL, tk.DECODE_2D, tk.DECODE_3D):
+        err = relative_error(run_minipic(case, config, buffer_tokens=tk.SPLIT_KV_MAX_TOKENS),
+                             reference_attention(case))
+        assert err < TOLERANCE[dtype], f"{config}: relative error {err:.2e}"
+
+
+def test_cuda_graph_replay_reads_span_tables():
+    """A launch captured while the static span tables said "no spans" (as the backend
+    captures) follows the link layout written into them before the replay."""
+    query_lens, context_lens, markers = LINK_BATCHES["decode_split"]
+    case = make_case(query_lens, context_lens, num_q_heads=32, num_kv_heads=8, head_size=128,
+                     dtype=torch.bfloat16, device="cuda", seed=6, markers=markers)
+    span_of = torch.full_like(case.layout.span_of, -1)
+    context_pos = (torch.arange(span_of.shape[1], dtype=torch.int32, device="cuda") * 16
+                   ).expand(span_of.shape).contiguous()
+    out = torch.empty_like(case.q)
+    segm = tk.segment_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
+
+    def step():
+        tk.unified_attention_rope(
+            case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
+            seqused_k=case.seq_lens, max_seqlen_q=1, block_table=case.block_table,
+            softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=128, is_neox_style=True,
+            segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
+            seq_threshold_3d=SEQ_THRESHOLD_3D, span_of=span_of, context_pos=context_pos,
+            segment_block_size=16)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    span_of.copy_(case.layout.span_of)
+    context_pos.copy_(case.layout.context_pos)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
