@@ -100,20 +100,30 @@ def plan_runs(args) -> list[Run]:
 
 @dataclasses.dataclass
 class RagWorkload:
-    span_prompts: list  # SpanPrompt per sample (Block-Attention layout)
+    span_prompts: list  # SpanPrompt per sample (the recipe's layout)
     repeat_rate: float  # the measured fraction of document slots that repeat an earlier one
     unique_docs: int
     markers: dict
 
     def plain_prompts(self) -> list[list[int]]:
-        """The final prompts with every marker replaced by an ordinary token: same length and
-        compute, but nothing for minipic to act on (what stock vLLM and config 3 get)."""
+        """The final prompts without EPIC links, every marker replaced by an ordinary token:
+        the plain RAG prompt's length and compute, nothing for minipic to act on (what stock
+        vLLM and config 3 get, whatever the recipe)."""
         marker_ids = set(self.markers.values())
         ordinary = 11  # a plain word id in both models' vocabularies
-        return [[ordinary if t in marker_ids else t for t in p.final] for p in self.span_prompts]
+        return [[ordinary if t in marker_ids else t for t in without_links(p.final, self.markers)]
+                for p in self.span_prompts]
 
     def unique_spans(self) -> list[list[int]]:
         return list({tuple(s): s for p in self.span_prompts for s in p.span_prefills}.values())
+
+
+def without_links(final: list[int], markers: dict) -> list[int]:
+    """An EPIC final prompt less its link segments (they sit between the spans and PDep)."""
+    link = markers.get("link_token_id")
+    if link is None or link not in final:
+        return final
+    return final[:final.index(link)] + final[final.index(markers["pdep_token_id"]):]
 
 
 def repeat_slots(num_slots: int, repeat_rate: float, rng: random.Random) -> list[bool]:
@@ -151,9 +161,10 @@ def draw_documents(samples: int, repeat_rate: float, rng: random.Random,
 
 
 def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_size: int,
-                 markers: dict, window: int | None = None) -> RagWorkload:
+                 markers: dict, window: int | None = None,
+                 recipe: str = "block_attention") -> RagWorkload:
     """Seeded and reproducible: the same arguments give the same token ids in every process."""
-    from minipic.client import block_attention, make_span
+    from minipic.client import block_attention, epic, make_span
     from minipic.protocol import SpanProtocol
 
     rng = random.Random(seed)
@@ -163,8 +174,9 @@ def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_s
     pool, chosen = draw_documents(
         samples, repeat_rate, rng, lambda: make_span(words(DOC_TOKENS), protocol, block_size),
         window)
-    prompts = [block_attention([pool[d] for d in docs], words(TASK_TOKENS), system=system,
-                               protocol=protocol, block_size=block_size) for docs in chosen]
+    build = {"block_attention": block_attention, "epic": epic}[recipe]
+    prompts = [build([pool[d] for d in docs], words(TASK_TOKENS), system=system,
+                     protocol=protocol, block_size=block_size) for docs in chosen]
     slots = samples * DOCS_PER_SAMPLE
     return RagWorkload(prompts, (slots - len(pool)) / slots, len(pool), markers)
 
@@ -172,7 +184,8 @@ def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_s
 def workload_of(spec: dict, repeat_rate: float, samples: int, seed: int) -> RagWorkload:
     """The run's workload from a child spec (or the parent's base dict)."""
     return rag_workload(spec["arch"], samples, repeat_rate, seed, spec["engine"]["block_size"],
-                        spec["markers"], spec.get("repeat_window"))
+                        spec["markers"], spec.get("repeat_window"),
+                        spec.get("recipe") or "block_attention")
 
 
 # ---------------------------------------------------------------------------- strategies
@@ -736,6 +749,9 @@ def parse_args() -> argparse.Namespace:
                     help="a repeat draws from the N newest documents only (default: from all "
                          "earlier ones); a window whose spans fit the KV cache models a hot set")
     t1.add_argument("--samples", type=int, default=4000)
+    t1.add_argument("--recipe", choices=["block_attention", "epic"], default="block_attention",
+                    help="span prompts of configs 4-6 (EPIC adds one recomputed link block per "
+                         "document); configs 1-3 run the plain prompt either way")
     t1.add_argument("--warmup", type=int, default=64, help="samples run before timing")
     t1.add_argument("--max-num-seqs", type=int, default=1024, help="configs 1-4 and 6")
     t1.add_argument("--isps-seqs", type=bench_ttft.int_list, default=[64, 1024, 2048])
@@ -819,6 +835,7 @@ def main() -> None:
                     samples=getattr(args, "samples", None), warmup=getattr(args, "warmup", None),
                     batch_size=getattr(args, "batch_size", None),
                     repeat_window=getattr(args, "repeat_window", None),
+                    recipe=getattr(args, "recipe", None),
                     profile_dir=str(args.profile_dir.resolve())
                     if getattr(args, "profile_dir", None) else None)
         args.func(args, base, Path(tmp))

@@ -50,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-TINY_MARKERS = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5}
+TINY_MARKERS = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5, "link_token_id": 6}
 
 
 def make_model(arch: str, root: Path) -> tuple[str, dict, dict]:
@@ -87,8 +87,8 @@ def random_words(rng: random.Random, arch: str):
 
 
 def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, block_size: int,
-             markers: dict, prompt_sets: list[str]) -> dict:
-    """Token-id prompts: span prefills and final prompts (Block-Attention layout).
+             markers: dict, prompt_sets: list[str], recipe: str = "block_attention") -> dict:
+    """Token-id prompts: span prefills and final prompts (the recipe's layout).
 
     Every timed prompt (each document count, each repeat) has documents of its own, used by no
     other timed prompt of the phase: in the disk-warm phase each prompt then really loads its
@@ -96,9 +96,10 @@ def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, bl
     GPU memory. The phases share the document sets (the spans come from the gpu-hit phase) and
     differ in the question and the document order.
     """
-    from minipic.client import block_attention
+    from minipic.client import block_attention, epic
     from minipic.protocol import SpanProtocol
 
+    build = {"block_attention": block_attention, "epic": epic}[recipe]
     rng = random.Random(0)
     words = random_words(rng, arch)
     protocol = SpanProtocol.from_dict(markers)
@@ -106,8 +107,8 @@ def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, bl
     doc_sets = [(k, [words(doc_tokens) for _ in range(k)]) for k in doc_counts
                 for _ in range(repeats)]
     warm_docs = [words(doc_tokens) for _ in range(max(doc_counts))]
-    make = lambda docs: block_attention(rng.sample(docs, len(docs)), words(32), system=system,
-                                        protocol=protocol, block_size=block_size)
+    make = lambda docs: build(rng.sample(docs, len(docs)), words(32), system=system,
+                              protocol=protocol, block_size=block_size)
     finals = {name: [[k, make(docs).final] for k, docs in doc_sets] for name in prompt_sets}
     # Warm-up: the same kinds of steps on other documents (their spans are stored too, so the
     # disk-warm phase also warms its load path), so first-launch costs stay out of the timing.
@@ -248,6 +249,8 @@ def main() -> None:
     parser.add_argument("--cpu-gb", type=float, help="the connector's CPU tier (default 8 on 8B)")
     parser.add_argument("--disk-phases", type=disk_phase_list, default=DEFAULT_DISK_PHASES,
                         help="disk phases, e.g. warm:4,warm:16,cold:16 (module docstring)")
+    parser.add_argument("--recipe", choices=["block_attention", "epic"], default="block_attention",
+                        help="span prompt layout (EPIC recomputes one link block per document)")
     parser.add_argument("--phase", type=json.loads, help=argparse.SUPPRESS)  # child entry
     parser.add_argument("--child-args", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -257,7 +260,8 @@ def main() -> None:
         return
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,
-                      disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb))
+                      disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb),
+                      recipe=args.recipe)
     report(results, args)
 
 
@@ -271,17 +275,19 @@ def int_list(text: str) -> list[int]:
 
 def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
             save=lambda results: None, profile_dir: Path | None = None,
-            disk_phases: list[str] = ("warm:4",), cpu_bytes: int | None = None) -> list[dict]:
+            disk_phases: list[str] = ("warm:4",), cpu_bytes: int | None = None,
+            recipe: str = "block_attention") -> list[dict]:
     """All phases, each in its own process; `save(results)` after each (a late failure keeps
     the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}."""
     with tempfile.TemporaryDirectory() as tmp:
         model, engine, markers = make_model(arch, Path(tmp))
         needed = final_prompt_tokens(doc_counts, doc_tokens, engine["block_size"]) + 64
+        needed += max(doc_counts) * engine["block_size"]  # EPIC's link blocks
         engine["max_model_len"] = max(engine["max_model_len"], needed)
         engine["enforce_eager"] = engine.get("enforce_eager", False) or eager
         phases = phases_of(list(disk_phases))
         load = workload(arch, doc_counts, doc_tokens, repeats, engine["block_size"], markers,
-                        [phase.prompts for phase in phases])
+                        [phase.prompts for phase in phases], recipe)
         child = Path(tmp) / "child.json"  # token lists: too long for a command line
         store = f"{tmp}/store"
         child.write_text(json.dumps(dict(model=model, engine=engine, load=load,
