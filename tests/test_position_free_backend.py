@@ -91,7 +91,7 @@ def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_k
     output = torch.empty_like(query)
     metadata = TorchPositionFreeMetadata(
         num_actual_tokens=query.shape[0], query_start_loc=query_start_loc,
-        seq_lens=[p + n for p, n in MIXED_BATCH], block_table=block_table)
+        seq_lens=[p + n for p, n in MIXED_BATCH], block_table=block_table, block_size=BLOCK_SIZE)
     impl.forward(None, query, None, None, kv_cache, metadata, output)
     torch.testing.assert_close(output, torch.cat(expected), atol=2e-5, rtol=1e-4)
 
