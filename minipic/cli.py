@@ -1,7 +1,7 @@
 """`minipic` command line: inspect and maintain span stores.
 
     minipic store stats DIR [--json]        spans, blocks, bytes, hits per namespace
-    minipic store verify DIR [--remove]     check every block file (header + checksum)
+    minipic store verify DIR [--remove]     check every block file as an engine's load does
     minipic store evict DIR --max-bytes N   remove least recently used blocks down to N
                                             (bytes, or with a unit: 8GiB, 512MiB)
 """
@@ -50,41 +50,33 @@ def _stats(args: argparse.Namespace) -> int:
                   f"each on average, {_human(c['hit_bytes'] / seconds)}/s while loading")
         print(f"  writes     {c['stored_blocks']} stored, {c['duplicate_blocks']} already present, "
               f"{c['store_failures']} failed")
-        print(f"  rejected   {c['rejected_blocks']} bad files skipped")
+        unauthenticated = c["unauthenticated_blocks"]
+        print(f"  rejected   {c['rejected_blocks']} bad files skipped"
+              + (f" ({unauthenticated} not authenticated)" if unauthenticated else ""))
         print(f"  evicted    {c['evicted_blocks']} blocks ({_human(c['evicted_bytes'])})")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    import os
-
-    from minipic.connector.store.block_file import BlockRejected, verify_file
-    from minipic.connector.store.eviction import iter_blocks
     from minipic.connector.store.namespace import is_store_root
+    from minipic.connector.store.secret import SecretError, load_secret
+    from minipic.connector.store.verify import verify_store
 
     if not is_store_root(args.dir):
         print(f"minipic: {args.dir} is not a minipic store", file=sys.stderr)
         return 2
-    good = bad = kept = 0
-    for block in iter_blocks(args.dir):
-        try:
-            verify_file(block.path)
-            good += 1
-        except (OSError, BlockRejected) as e:
-            bad += 1
-            print(f"bad: {block.path}: {e}")
-            if args.remove:
-                try:
-                    os.unlink(block.path)
-                except FileNotFoundError:
-                    pass  # gone already (evicted or removed by another replica)
-                except OSError as e:
-                    kept += 1
-                    print(f"  could not remove it: {e}", file=sys.stderr)
-    removed = f" ({bad - kept} removed, {kept} could not be)" if args.remove and bad else ""
-    print(f"{good} good, {bad} bad{removed}")
+    try:
+        secret = load_secret(args.secret_file)
+    except SecretError as e:
+        print(f"minipic: {e}", file=sys.stderr)
+        return 2
+    result = verify_store(args.dir, secret=secret, remove=args.remove)
+    bad, kept = result.bad, result.kept
+    removed = f" ({result.removed} removed, {kept} could not be)" if args.remove and bad else ""
+    problems = f", {result.bad_namespaces} namespace problem(s)" if result.bad_namespaces else ""
+    print(f"{result.good} good, {bad} bad{removed}{problems}")
     # Bad files left in the store are a failure; engines never load them either way.
-    return 1 if bad and (not args.remove or kept) else 0
+    return 1 if (bad and (not args.remove or kept)) or result.bad_namespaces else 0
 
 
 def _evict(args: argparse.Namespace) -> int:
@@ -143,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify = add_command("verify", help="check every block file")
     verify.add_argument("dir", help="the store_dir of MiniPICConnector")
     verify.add_argument("--remove", action="store_true", help="delete bad files")
+    verify.add_argument("--secret-file", help="file holding the store secret, for stores "
+                        "whose blocks are authenticated (or set MINIPIC_STORE_SECRET)")
     verify.set_defaults(run=_verify)
 
     evict = add_command("evict", help="remove LRU blocks down to a size")

@@ -9,6 +9,9 @@ Users write short minipic keys in `kv_connector_extra_config`:
     disk_read_threads / disk_write_threads   I/O threads of the disk tier (default 4 / 4)
     disk_read_processes   reader processes for loads (default: half the CPUs, at most 16, none
                           below 8 CPUs; 0 reads on the threads, next to the scheduler's GIL)
+    store_secret_file  a file holding the store secret: every block is authenticated (HMAC) and
+                       unauthenticated ones are refused; or set MINIPIC_STORE_SECRET (README,
+                       "Security"). The secret itself never goes in this config.
     ssep_token_id / pdep_token_id / pad_token_id / ...   span markers (see minipic.config)
 
 `apply_offload_config` rewrites them, in place, into the keys vLLM's native
@@ -50,6 +53,7 @@ class ConnectorOptions:
     disk_read_threads: int
     disk_write_threads: int
     disk_read_processes: int
+    store_secret_file: str | None = None
 
     @classmethod
     def parse(cls, extra: MutableMapping[str, Any]) -> "ConnectorOptions":
@@ -74,6 +78,12 @@ class ConnectorOptions:
             raise ConnectorConfigError(
                 "canonical_layout is not supported by MiniPICConnector: the store keeps each "
                 "block in the attention backend's own layout")
+        secret_file = extra.get("store_secret_file")
+        if secret_file is not None and (not isinstance(secret_file, str) or store_dir is None):
+            raise ConnectorConfigError("store_secret_file must be the path of a file holding the "
+                                       "store secret, next to a store_dir")
+        if store_dir is not None:
+            _check_secret(secret_file)
         _warn_unknown_keys(extra)
         if "secondary_tiers" in extra and not extra.get(_APPLIED):
             raise ConnectorConfigError(
@@ -89,6 +99,7 @@ class ConnectorOptions:
             disk_read_threads=positive_int("disk_read_threads", extra.get("disk_read_threads", 4)),
             disk_write_threads=positive_int("disk_write_threads", extra.get("disk_write_threads", 4)),
             disk_read_processes=read_processes(extra.get("disk_read_processes")),
+            store_secret_file=secret_file,
         )
 
     def offload_config(self) -> dict[str, Any]:
@@ -100,6 +111,8 @@ class ConnectorOptions:
                           "n_read_threads": self.disk_read_threads,
                           "n_write_threads": self.disk_write_threads,
                           "n_read_processes": self.disk_read_processes})
+            if self.store_secret_file is not None:
+                tiers[0]["secret_file"] = self.store_secret_file  # the path, not the secret
         return {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE,
                 "cpu_bytes_to_use": self.cpu_bytes, "secondary_tiers": tiers}
 
@@ -108,7 +121,7 @@ class ConnectorOptions:
 # (0.25.1 and 0.32.0); anything else is most likely a typo.
 MINIPIC_KEYS = frozenset({
     "store_dir", "cpu_bytes", "disk_max_bytes", "disk_read_threads", "disk_write_threads",
-    "disk_read_processes", *ENGINE_OPTION_KEYS, _APPLIED})
+    "disk_read_processes", "store_secret_file", *ENGINE_OPTION_KEYS, _APPLIED})
 VLLM_OFFLOAD_KEYS = frozenset({
     "spec_name", "spec_module_path", "cpu_bytes_to_use", "secondary_tiers", "eviction_policy",
     "backpressure", "enable_telemetry", "max_tracker_size", "offload_prompt_only",
@@ -120,6 +133,16 @@ def _warn_unknown_keys(extra: MutableMapping[str, Any]) -> None:
         logger.warning("MiniPICConnector: kv_connector_extra_config key %r is neither "
                        "minipic's nor vLLM's offload key; it has no effect (a typo? minipic's "
                        "keys: %s)", key, ", ".join(sorted(MINIPIC_KEYS - {_APPLIED})))
+
+
+def _check_secret(secret_file: str | None) -> None:
+    """Fail now, not in the engine core, if the secret is set but unusable (read, not kept)."""
+    from minipic.connector.store.secret import SecretError, load_secret
+
+    try:
+        load_secret(secret_file)
+    except SecretError as e:
+        raise ConnectorConfigError(str(e)) from None
 
 
 def positive_int(name: str, value: Any) -> int:

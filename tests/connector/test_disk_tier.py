@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import mmap
 import os
 import time
@@ -324,3 +326,112 @@ def test_an_unlimited_store_sweeps_dead_writers_temp_files_at_start(tmp_path):
         assert time.monotonic() < deadline, "the temp file was not swept"
         time.sleep(0.05)
     second.tier.shutdown()
+
+
+class _Warnings(logging.Handler):
+    """Collects the disk tier's log lines (vLLM's loggers may not propagate to pytest's)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("vllm.minipic.connector").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("vllm.minipic.connector").removeHandler(self)
+
+
+def _let_blocked_readers_go(path: str) -> None:
+    """A reader stuck opening a FIFO (the defect under test) waits for a writer: be one."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize("hostile", ["fifo", "link to a fifo", "link to /dev/zero", "directory"])
+def test_what_is_not_a_regular_file_is_rejected_at_once_and_logged(harness, tmp_path, hostile):
+    """A FIFO in a block's place hung loads on threads (and the engine's shutdown with them)
+    and stalled reader processes for 120 s, with no log line."""
+    harness.rows[0] = 7
+    assert harness.run(harness.tier.submit_store, [key(1)], [0])
+    path = harness.tier.path_of(key(1))
+    os.unlink(path)
+    fifo = str(tmp_path / "fifo")
+    if hostile == "fifo":
+        os.mkfifo(path)
+    elif hostile == "link to a fifo":
+        os.mkfifo(fifo)
+        os.symlink(fifo, path)
+    elif hostile == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    else:
+        os.mkdir(path)
+    with _Warnings() as log:
+        try:
+            assert harness.lookup(key(1)) is LookupResult.HIT  # something is there...
+            started = time.monotonic()
+            assert not harness.run(harness.tier.submit_load, [key(1)], [4])  # ...not loaded
+            assert time.monotonic() - started < 5
+        finally:
+            for p in (path, fifo):
+                _let_blocked_readers_go(p)
+    assert any(path in m and "not a regular file" in m for m in log.messages), log.messages
+    assert harness.lookup(key(1)) is LookupResult.MISS  # recomputed...
+    assert not os.path.lexists(path)  # ...the entry removed (the link, not its target)...
+    assert os.path.exists("/dev/zero")
+    assert harness.run(harness.tier.submit_store, [key(1)], [0])  # ...and written again
+    assert harness.run(harness.tier.submit_load, [key(1)], [4])
+    assert (harness.rows[4] == 7).all()
+
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize("loads_on", ["threads", "reader processes"])
+def test_a_store_secret_authenticates_every_block(tmp_path, loads_on):
+    """Anyone who can write to store_dir could craft a file with a valid header and checksum.
+    With a secret, a block needs its MAC: forged files and files made with another
+    secret are rejected, removed, counted and recomputed; the secret is never logged."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET + b"\n")
+    readers = {"shared_file": tmp_path / "cpu-tier", "n_read_processes": 1} \
+        if loads_on == "reader processes" else {}
+    with _Warnings() as log:
+        h = Harness(tmp_path / "store", secret_file=str(secret_file), **readers)
+        h.tier.open(FIELDS)
+        h.rows[0], h.rows[1] = 3, 4
+        assert h.run(h.tier.submit_store, [key(1), key(2), key(3)], [0, 1, 1])
+        assert h.run(h.tier.submit_load, [key(1)], [5])
+        assert (h.rows[5] == 3).all()
+        good = Path(h.tier.path_of(key(1))).read_bytes()
+        assert block_file.read_header(h.tier.path_of(key(1)))["flags"] \
+            & block_file.FLAG_AUTHENTICATED
+        ns = h.tier._namespace
+        forged, other = h.tier.path_of(key(2)), h.tier.path_of(key(3))
+        payload = np.full(ROW, 9, dtype=np.uint8).tobytes()  # what the attacker wants served
+        Path(forged).write_bytes(block_file.encode_header(ns.digest, key(2), payload) + payload)
+        block_file.write_block(other, ns.digest, key(3), payload, secret=b"another secret 0123")
+        for k in (key(2), key(3)):  # a failed job: vLLM recomputes, never uses the row
+            assert not h.run(h.tier.submit_load, [k], [6])
+        assert h.lookup(key(2)) is LookupResult.MISS and not os.path.exists(forged)
+        h.tier.shutdown()
+    [stats] = scan_store(tmp_path / "store")
+    assert stats.counters["rejected_blocks"] == 2 and stats.counters["unauthenticated_blocks"] == 2
+    assert stats.fields["block_auth"].startswith("hmac-sha256:")
+    text = "\n".join(log.messages)
+    assert "not authenticated" in text and "authentication failed" in text
+    everything = [text.encode(), *(p.read_bytes() for p in (tmp_path / "store").rglob("*.json"))]
+    assert not any(SECRET in blob or SECRET.hex().encode() in blob for blob in everything)
+
+    # Replicas without the secret (or with another) use another namespace folder: they never
+    # read, or remove, the authenticated blocks.
+    plain = Harness(tmp_path / "store")
+    plain.tier.open(FIELDS)
+    assert plain.tier._ns_dir != h.tier._ns_dir
+    assert plain.lookup(key(1)) is LookupResult.MISS
+    plain.tier.shutdown()
+    assert Path(h.tier.path_of(key(1))).read_bytes() == good

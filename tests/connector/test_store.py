@@ -15,7 +15,7 @@ from minipic.connector.store import block_file
 from minipic.connector.store.block_file import BlockRejected, read_block_into, write_block
 from minipic.connector.store.eviction import evict_lru, _exclusive
 from minipic.connector.store.namespace import (
-    NamespaceMismatch, StoreNamespace, block_path, namespace_fields, open_namespace)
+    NamespaceMismatch, StoreNamespace, block_key, block_path, namespace_fields, open_namespace)
 from minipic.connector.store.stats import NotAStore, scan_store
 
 FIELDS = namespace_fields(model="m@default", model_fingerprint="f", dtype="float32", block_size=32,
@@ -186,8 +186,9 @@ def test_stats_and_cli(tmp_path, capsys):
 
     ns_dir = open_namespace(tmp_path, NS)
     for i in range(3):
-        write_block(block_path(ns_dir, bytes([i]) * 32, 0), NS.digest, KEY, payload(),
-                    flags=block_file.FLAG_SPAN_HEAD if i == 0 else 0)
+        block_hash = bytes([i]) * 32
+        write_block(block_path(ns_dir, block_hash, 0), NS.digest, block_key(block_hash, 0),
+                    payload(), flags=block_file.FLAG_SPAN_HEAD if i == 0 else 0)
     (ns_dir / "stats").mkdir()
     (ns_dir / "stats" / "p1.json").write_text(
         '{"hit_blocks": 5, "hit_bytes": 20480, "load_jobs": 2, "load_us": 4000}')
@@ -203,8 +204,11 @@ def test_stats_and_cli(tmp_path, capsys):
     assert "loads      2 jobs, 2.0 ms each on average" in out
 
     bad = block_path(ns_dir, bytes([1]) * 32, 0)
+    assert main(["store", "verify", str(tmp_path)]) == 0
+    assert "3 good, 0 bad" in capsys.readouterr().out
     _damage(bad, "payload")
     assert main(["store", "verify", str(tmp_path)]) == 1
+    assert "2 good, 1 bad" in capsys.readouterr().out
     assert main(["store", "verify", str(tmp_path), "--remove"]) == 0
     assert not os.path.exists(bad)
 

@@ -10,6 +10,9 @@ for I/O) and adds what the stock FS tier lacks:
     configurations are never read;
   * self-checking files: a bad file fails its load, is removed and remembered
     as a miss for this process, so its blocks are recomputed (never loaded);
+    only regular files are opened, without blocking, and read up to one block;
+  * an optional store secret (`store/secret.py`): blocks are authenticated
+    with HMAC-SHA256 and unauthenticated ones rejected like bad files;
   * degraded mode: a full, read-only or missing disk turns writes (or the
     whole tier) off instead of failing the engine;
   * a size limit with LRU eviction, and counters for `minipic store stats`;
@@ -30,6 +33,7 @@ import dataclasses
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -58,6 +62,7 @@ from minipic.connector.scheduler.span_heads import SpanHeads
 from minipic.connector.store import block_file, eviction
 from minipic.connector.store.namespace import (
     StoreNamespace, block_key_of_path, block_path, open_namespace)
+from minipic.connector.store.secret import load_secret, secret_id
 from minipic.connector.store.stats import ProcessCounters
 
 logger = logging.getLogger("vllm.minipic.connector")  # shares vLLM's handlers
@@ -94,7 +99,8 @@ class MiniPICDiskTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  root_dir: str, max_bytes: int | None = None, n_read_threads: int = 4,
-                 n_write_threads: int = 4, n_read_processes: int = 0, **base_kwargs: Any):
+                 n_write_threads: int = 4, n_read_processes: int = 0,
+                 secret_file: str | None = None, **base_kwargs: Any):
         # base_kwargs: what newer vLLM passes every tier (e.g. backpressure_detector).
         super().__init__(offloading_spec, primary_kv_view, tier_type, **base_kwargs)
         self._view = primary_kv_view.cast("B")
@@ -102,6 +108,7 @@ class MiniPICDiskTier(SecondaryTierManager):
         self.root_dir = Path(root_dir)
         self.max_bytes = int(max_bytes) if max_bytes else None
         self.span_heads = SpanHeads()
+        self._secret = load_secret(secret_file)  # never logged; see store/secret.py
 
         # Set by open(): until the connector knows the namespace, the tier is off.
         self._namespace: StoreNamespace | None = None
@@ -144,7 +151,7 @@ class MiniPICDiskTier(SecondaryTierManager):
             logger.info("minipic store: the CPU tier is not a mapped file; loading on threads")
             return None
         try:
-            readers = ReaderProcesses(region, self._row_bytes, count)
+            readers = ReaderProcesses(region, self._row_bytes, count, secret=self._secret)
             logger.info("minipic store: loading through %d reader processes", count)
             return readers
         except OSError as e:
@@ -156,7 +163,10 @@ class MiniPICDiskTier(SecondaryTierManager):
         any failure leaves the tier off, not the engine."""
         if span_heads is not None:
             self.span_heads = span_heads
-        namespace = StoreNamespace({**fields, "payload_bytes": self._row_bytes})
+        fields = {**fields, "payload_bytes": self._row_bytes}
+        if self._secret is not None:
+            fields["block_auth"] = secret_id(self._secret)
+        namespace = StoreNamespace(fields)
         self._namespace = namespace
         try:
             self._ns_dir = open_namespace(self.root_dir, namespace)
@@ -177,7 +187,9 @@ class MiniPICDiskTier(SecondaryTierManager):
         writable = os.access(self._ns_dir / "blocks", os.W_OK)
         self._writes_off_until = 0.0 if writable else float("inf")
         self.counters = ProcessCounters(self._ns_dir if writable else None)
-        logger.info("minipic store: %s (%s)", self._ns_dir, "read-write" if writable else "read-only")
+        logger.info("minipic store: %s (%s%s)", self._ns_dir,
+                    "read-write" if writable else "read-only",
+                    ", blocks authenticated with the store secret" if self._secret else "")
         if writable and self.max_bytes is not None:
             self._maybe_evict()  # the store may have been left over its limit (sweeps temps too)
         elif writable:  # no limit, so no eviction: sweep killed writers' temp files at start
@@ -247,7 +259,7 @@ class MiniPICDiskTier(SecondaryTierManager):
         """How to read: one chunk per reader process, or one block per pool thread."""
         readers = self._readers
         if readers is None or readers.broken:
-            return (lambda chunk: read_chunk(self._view, self._row_bytes, chunk),
+            return (lambda chunk: read_chunk(self._view, self._row_bytes, chunk, self._secret),
                     [[request] for request in requests])
         size = -(-len(requests) // readers.count)
         return readers.read, [requests[i:i + size] for i in range(0, len(requests), size)]
@@ -265,7 +277,8 @@ class MiniPICDiskTier(SecondaryTierManager):
                 return
             flags = block_file.FLAG_SPAN_HEAD if key in self.span_heads else 0
             try:
-                block_file.write_block(path, self._namespace.digest, key, self._row(slot), flags)
+                block_file.write_block(path, self._namespace.digest, key, self._row(slot), flags,
+                                       self._secret)
             except OSError as e:
                 self._write_errors.put(e)
                 self.counters.add(store_failures=1)
@@ -288,7 +301,7 @@ class MiniPICDiskTier(SecondaryTierManager):
 
     def _record_loads(self, chunk: list, results: list) -> None:
         """Counters and rejects of one chunk; raises (failing the job) if a block is missing."""
-        failed = 0
+        failed, unreadable = 0, []
         for (path, _, key, _), (status, detail) in zip(chunk, results):
             if status == OK:
                 continue
@@ -296,11 +309,16 @@ class MiniPICDiskTier(SecondaryTierManager):
             # Evicted since the lookup, bad, or unreadable now: a miss from here on, recomputed.
             self._rejects.put(key)
             if status == REJECTED:
-                reason, inode = detail
-                self.counters.add(rejected_blocks=1)
+                reason, inode, unauthenticated = detail
+                self.counters.add(rejected_blocks=1, unauthenticated_blocks=int(unauthenticated))
                 logger.warning("minipic store: ignoring %s (%s); it will be recomputed",
                                path, reason)
                 _remove_if_same(path, inode)
+            elif status == FAILED:
+                unreadable.append((path, detail))
+        if unreadable:  # one line per chunk: a dead reader fails all of its blocks at once
+            logger.warning("minipic store: could not read %d block(s), e.g. %s (%s); they will "
+                           "be recomputed", len(unreadable), *unreadable[0])
         loaded = len(chunk) - failed
         self.counters.add(hit_blocks=loaded, hit_bytes=loaded * self._row_bytes)
         if failed:
@@ -420,5 +438,6 @@ class MiniPICDiskTier(SecondaryTierManager):
 def _remove_if_same(path: str, inode: int | None) -> None:
     """Remove a bad file, unless another replica already replaced it with a new one."""
     with contextlib.suppress(OSError):
-        if os.stat(path).st_ino == inode:
-            os.unlink(path)
+        st = os.lstat(path)  # lstat: a rejected symbolic link is the link, not its target
+        if st.st_ino == inode:
+            (os.rmdir if stat.S_ISDIR(st.st_mode) else os.unlink)(path)  # rmdir: empty only

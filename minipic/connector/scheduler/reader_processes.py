@@ -16,7 +16,8 @@ mapping the whole tier in every reader cost each of them seconds and page
 tables for all of it before its first chunk. A reader that dies, or gives no
 answer within `reply_timeout_s` (a stalled network mount), is killed; its chunk
 fails (those blocks are recomputed) and the tier falls back to reading on its
-threads.
+threads. Readers get the tier's file as an open descriptor (its name may be gone:
+see `compat.release_cpu_tier_name`) and the store secret, if any, over their socket.
 """
 
 from __future__ import annotations
@@ -68,18 +69,20 @@ def region_of(address: int, length: int) -> MappedRegion | None:
     return None
 
 
-def read_chunk(view: memoryview, row_bytes: int,
-               requests: list[tuple[str, bytes, bytes, int]]) -> list[tuple[str, object]]:
-    """Read each (path, namespace, key, row) into its row; one (status, detail) per block."""
+def read_chunk(view: memoryview, row_bytes: int, requests: list[tuple[str, bytes, bytes, int]],
+               secret: bytes | None = None) -> list[tuple[str, object]]:
+    """Read each (path, namespace, key, row) into its row; one (status, detail) per block:
+    REJECTED's detail is (reason, inode, unauthenticated), FAILED's the error."""
     results: list[tuple[str, object]] = []
     for path, namespace, key, row in requests:
         dest = view[row * row_bytes:(row + 1) * row_bytes]
         try:
-            block_file.read_block_into(path, namespace, key, dest)
+            block_file.read_block_into(path, namespace, key, dest, secret)
         except FileNotFoundError:
             results.append((MISSING, None))
         except block_file.BlockRejected as e:
-            results.append((REJECTED, (str(e), e.inode)))
+            unauthenticated = isinstance(e, block_file.BlockUnauthenticated)
+            results.append((REJECTED, (str(e), e.inode, unauthenticated)))
         except OSError as e:
             results.append((FAILED, str(e)))
         else:
@@ -88,19 +91,22 @@ def read_chunk(view: memoryview, row_bytes: int,
     return results
 
 
-def _serve(conn, region: MappedRegion, row_bytes: int) -> None:
-    """A reader process: map the region, then read chunks until told to stop."""
+def _serve(conn, fd: int, offset: int, length: int, row_bytes: int) -> None:
+    """A reader process: map the region of file `fd`, then read chunks until told to stop."""
     from minipic.connector.scheduler.prefault import prefault
 
     page = mmap.ALLOCATIONGRANULARITY
-    start = region.offset - region.offset % page
-    fd = os.open(region.path, os.O_RDWR)
+    start = offset - offset % page
     try:
-        mapping = mmap.mmap(fd, region.length + region.offset - start, offset=start)
+        mapping = mmap.mmap(fd, length + offset - start, offset=start)
     finally:
         os.close(fd)
-    view = memoryview(mapping)[region.offset - start:]
-    mapped_rows = bytearray(region.length // row_bytes)
+    view = memoryview(mapping)[offset - start:]
+    mapped_rows = bytearray(length // row_bytes)
+    try:
+        secret = conn.recv()  # first message: the store secret (None without one)
+    except EOFError:
+        return
     while True:
         try:
             requests = conn.recv()
@@ -112,7 +118,7 @@ def _serve(conn, region: MappedRegion, row_bytes: int) -> None:
             if not mapped_rows[row]:  # a read into unmapped pages faults page by page
                 prefault(view[row * row_bytes:(row + 1) * row_bytes])
                 mapped_rows[row] = 1
-        conn.send(read_chunk(view, row_bytes, requests))
+        conn.send(read_chunk(view, row_bytes, requests, secret))
 
 
 class ReaderProcesses:
@@ -124,7 +130,7 @@ class ReaderProcesses:
     """
 
     def __init__(self, region: MappedRegion, row_bytes: int, count: int,
-                 reply_timeout_s: float = REPLY_TIMEOUT_S):
+                 reply_timeout_s: float = REPLY_TIMEOUT_S, secret: bytes | None = None):
         self._processes: list[tuple[subprocess.Popen, Connection]] = []
         self._reply_timeout_s = reply_timeout_s
         self._idle: queue.SimpleQueue[Connection] = queue.SimpleQueue()
@@ -134,22 +140,27 @@ class ReaderProcesses:
         package_root = str(Path(__file__).resolve().parents[3])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        region_fd = os.open(region.path, os.O_RDWR | os.O_CLOEXEC)
         try:
             for _ in range(count):
-                self._start_one(region, row_bytes, env)
+                self._start_one(region, region_fd, row_bytes, env, secret)
         except BaseException:
             self.close()  # the readers that did start
             raise
+        finally:
+            os.close(region_fd)
 
-    def _start_one(self, region: MappedRegion, row_bytes: int, env: dict) -> None:
+    def _start_one(self, region: MappedRegion, region_fd: int, row_bytes: int, env: dict,
+                   secret: bytes | None) -> None:
         ours, theirs = socket.socketpair()
         with ours, theirs:
             process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), region.path,
+                [sys.executable, "-m", __name__, str(theirs.fileno()), str(region_fd),
                  str(region.offset), str(region.length), str(row_bytes)],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+                pass_fds=[theirs.fileno(), region_fd], stdin=subprocess.DEVNULL, env=env)
             conn = Connection(os.dup(ours.fileno()))
         self._processes.append((process, conn))
+        conn.send(secret)  # over the socket: never in argv or the environment
         self._idle.put(conn)
 
     @property
@@ -197,5 +208,5 @@ class ReaderProcesses:
 
 
 if __name__ == "__main__":
-    fd, path, offset, length, row = sys.argv[1:6]
-    _serve(Connection(int(fd)), MappedRegion(path, int(offset), int(length)), int(row))
+    conn_fd, region_fd, offset, length, row = (int(arg) for arg in sys.argv[1:6])
+    _serve(Connection(conn_fd), region_fd, offset, length, row)

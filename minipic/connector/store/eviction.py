@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from minipic.connector.store.namespace import block_key_of_path
+from minipic.connector.store.namespace import block_key_of_path, namespace_dirs
 
 LOCK_FILE = ".evict.lock"
 LOW_WATERMARK = 0.9  # evict down to 90% so eviction does not run on every store
@@ -42,7 +42,7 @@ def _blocks_dirs(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if (root / "blocks").is_dir():
         return [root / "blocks"]
-    return sorted(d for d in root.glob("ns-*/blocks") if d.is_dir())
+    return [d / "blocks" for d in namespace_dirs(root) if (d / "blocks").is_dir()]
 
 
 def _files(root: str | os.PathLike) -> Iterator[tuple[str, str]]:

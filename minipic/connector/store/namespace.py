@@ -24,17 +24,23 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
+from minipic.connector.store.regular_files import read_regular
+
 STORE_FORMAT = "minipic-span-store"
 # Bump when the block file format or the meaning of stored KV bytes changes
-# (e.g. the position-free backend changes its cache layout).
-FORMAT_VERSION = 1
+# (e.g. the position-free backend changes its cache layout). 2: block files with a
+# MAC field (block_file.VERSION 2); stores of version 1 sit in other folders, unread.
+FORMAT_VERSION = 2
 ROOT_MARKER = "minipic-store.json"
 NAMESPACE_FILE = "namespace.json"
 BLOCK_SUFFIX = ".kv"
+MAX_JSON_BYTES = 1 << 20  # namespace.json and the root marker are a few hundred bytes
 _DIGEST_HEX = 32  # 128 bits: collisions between configurations are not a concern
+_NAMESPACE_DIRNAME = re.compile(f"ns-[0-9a-f]{{{_DIGEST_HEX}}}")
 
 
 def canonical_json(fields: Mapping[str, Any]) -> str:
@@ -89,10 +95,12 @@ def _write_json_atomically(path: Path, data: Mapping[str, Any]) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from a small regular file; None for anything else (never blocks)."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(read_regular(path, MAX_JSON_BYTES))
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def is_store_root(root: Path) -> bool:
@@ -129,6 +137,12 @@ def block_path(ns_dir: Path, block_hash: bytes, group_idx: int) -> str:
     return f"{ns_dir}/blocks/{h[:2]}/{h[2:4]}/{h}_g{group_idx}{BLOCK_SUFFIX}"
 
 
+def block_key(block_hash: bytes, group_idx: int) -> bytes:
+    """The key a block file's header holds: vLLM's OffloadKey of (hash, group), which
+    the disk tier writes (vLLM 0.25.1 and 0.32.0 pack it this way; a test checks)."""
+    return block_hash + group_idx.to_bytes(4, "big", signed=False)
+
+
 def block_key_of_path(path: str) -> tuple[bytes, int] | None:
     """(block_hash, group_idx) of a `block_path` name; None for any other name."""
     name = os.path.basename(path)
@@ -141,7 +155,25 @@ def block_key_of_path(path: str) -> tuple[bytes, int] | None:
         return None
 
 
+def namespace_problem(ns_dir: Path, fields: Mapping[str, Any] | None) -> str | None:
+    """Why no engine of this minipic loads from `ns_dir`, or None if one may: the folder
+    must be named after its namespace.json (an engine refuses a folder whose manifest
+    describes another configuration) and be of this minipic's format."""
+    if fields is None:
+        return f"no readable {NAMESPACE_FILE}"
+    if fields.get("format") != STORE_FORMAT or fields.get("format_version") != FORMAT_VERSION:
+        return (f"store format version {fields.get('format_version')!r} (another minipic "
+                f"version's); this minipic reads version {FORMAT_VERSION}")
+    if StoreNamespace(fields).dirname != Path(ns_dir).name:
+        return f"{NAMESPACE_FILE} does not match the folder's name (copied or edited)"
+    return None
+
+
+def namespace_dirs(root: str | os.PathLike) -> list[Path]:
+    """The folders under `root` named like namespaces (ns-<32 hex digits>)."""
+    return sorted(d for d in Path(root).glob("ns-*")
+                  if _NAMESPACE_DIRNAME.fullmatch(d.name) and d.is_dir())
+
+
 def list_namespaces(root: str | os.PathLike) -> list[tuple[Path, dict[str, Any] | None]]:
-    root = Path(root)
-    return [(d, _read_json(d / NAMESPACE_FILE))
-            for d in sorted(root.glob("ns-*")) if d.is_dir()]
+    return [(d, _read_json(d / NAMESPACE_FILE)) for d in namespace_dirs(root)]

@@ -21,11 +21,12 @@ from typing import Any
 
 from minipic.connector.store.block_file import FLAG_SPAN_HEAD, BlockRejected, read_header
 from minipic.connector.store.eviction import iter_blocks
-from minipic.connector.store.namespace import is_store_root, list_namespaces
+from minipic.connector.store.namespace import MAX_JSON_BYTES, is_store_root, list_namespaces
+from minipic.connector.store.regular_files import read_regular
 
 COUNTERS = ("hit_blocks", "hit_bytes", "stored_blocks", "stored_bytes", "duplicate_blocks",
-            "rejected_blocks", "store_failures", "evicted_blocks", "evicted_bytes",
-            "load_jobs", "load_us")
+            "rejected_blocks", "unauthenticated_blocks", "store_failures", "evicted_blocks",
+            "evicted_bytes", "load_jobs", "load_us")
 
 
 class ProcessCounters:
@@ -82,7 +83,7 @@ def _sum_counters(ns_dir: Path) -> dict[str, int]:
     total = dict.fromkeys(COUNTERS, 0)
     for f in (ns_dir / "stats").glob("*.json"):
         try:
-            data = json.loads(f.read_text())
+            data = json.loads(read_regular(f, MAX_JSON_BYTES))
             counts = {k: int(data.get(k, 0)) for k in COUNTERS}
         except (OSError, ValueError, TypeError, AttributeError):
             continue  # unreadable or not a counters file: it counts nothing
@@ -112,9 +113,9 @@ def looks_like_vllm_offload_dir(root: Path) -> bool:
     """vLLM's FS tier writes <root>/<model>_<digest>/config.json with inference_engine."""
     for cfg in root.glob("*/config.json"):
         try:
-            if "inference_engine" in json.loads(cfg.read_text()):
+            if "inference_engine" in json.loads(read_regular(cfg, MAX_JSON_BYTES)):
                 return True
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):
             continue
     return False
 
