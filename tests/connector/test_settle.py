@@ -7,7 +7,7 @@ from minipic.connector.store.settle import wait_until_settled
 
 
 def _writer(root, n, every_s):
-    blocks = root / "ns-0123" / "blocks"  # a store's layout: block files named by hash
+    blocks = root / f"ns-{0:032x}" / "blocks"  # a store's layout: block files named by hash
     blocks.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         (blocks / f"{i:064x}_g0.kv").write_bytes(b"x" * 100)
