@@ -167,7 +167,7 @@ class MiniPICTritonImpl(TritonAttentionImpl):
         n = md.num_actual_tokens
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rope = current_rope()
-        query = turn_back_links(query, getattr(md, "minipic_token_shift", None))
+        query = turn_back_links(query, _token_shift(md))
         unified_attention_rope(
             query[:n], key_cache, value_cache, output[:n],
             cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens,
@@ -185,7 +185,7 @@ class MiniPICTritonImpl(TritonAttentionImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """vLLM's cache write, with link tokens' K turned back first (attention.links)."""
         md = batch_metadata(layer)
-        key = turn_back_links(key, getattr(md, "minipic_token_shift", None))
+        key = turn_back_links(key, _token_shift(md))
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def _rope_table(self, device: torch.device) -> torch.Tensor:
@@ -240,6 +240,13 @@ def _span_tables(md) -> dict:
         return {}
     return dict(span_of=md.minipic_span_of, context_pos=md.minipic_context_pos,
                 segment_block_size=md.minipic_segment_block_size)
+
+
+def _token_shift(md) -> torch.Tensor | None:
+    """The batch's link shifts. None under CUDA graph capture: the turn-back would be
+    captured with this (dummy) batch's shifts and replayed on every later batch."""
+    shift = getattr(md, "minipic_token_shift", None)
+    return None if shift is None or _capturing() else shift
 
 
 def _capturing() -> bool:
