@@ -8,7 +8,10 @@ Q.K product. V is untouched. Everything else follows vLLM's
 holding BLOCK_Q tokens times the kv head's query heads (GQA rows share one K
 tile), online softmax over KV tiles, and for small decode batches (and, unlike
 vLLM, for a few short queries over long contexts) a split-KV ("3D") variant
-whose partial results `_reduce_segments` merges.
+whose partial results `_reduce_segments` merges. With span tables (HAS_SEGMENTS)
+each tile is also masked by minipic's span and EPIC link rule
+(segments.visible_keys); without them nothing is read and the launch is plain
+causal attention.
 
 The rotation never materialises a rotated head: the rotary dims are split into
 their two pair halves (neox: first/second half; GPT-J: even/odd dims), each
