@@ -24,6 +24,9 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |   .__init__ and .prepare_inputs                  |             | batch's rows of that table            |
 | v1.engine.input_processor.InputProcessor         | front end   | refuse a prompt whose SSep/PDep is    |
 |   ._validate_model_input                         | (API / LLM) | not at a block start (HTTP 400)       |
+| v1.engine.input_processor.InputProcessor         | front end   | refuse generating from a prompt that  |
+|   .process_inputs (+ process_inputs_async, its   | (API / LLM) | ends inside an SSep span, unless the  |
+|   wrapper made per instance)                     |             | request opts in (HTTP 400)            |
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ import functools
 import logging
 from typing import Any, Callable
 
-from minipic.config import CONFIG_KEY, is_enabled, span_protocol_of
+from minipic.config import (CONFIG_KEY, CONNECTOR_NAME, check_option_keys, is_enabled,
+                            span_protocol_of)
 from minipic.hashing.block_hasher import check_hash_algo
-from minipic.protocol import SpanProtocol
+from minipic.marker_checks import check_markers_fit_model
+from minipic.protocol import MisplacedMarkerError, SpanProtocol
+from minipic.request_errors import MisplacedMarkerRequestError
 from minipic.support import check_supported
 
 # A child of vLLM's logger, so it shares vLLM's handlers and format.
@@ -59,6 +65,7 @@ def apply_all() -> None:
     _patch_model_runner_init()
     _patch_model_runner_v2()
     _patch_prompt_validation()
+    _patch_prompt_end_check()
 
 
 def _warn_if_unchecked_version() -> None:
@@ -104,15 +111,32 @@ def _prepare_config(vllm_config: Any) -> SpanProtocol:
     Writing the resolved marker ids into `additional_config` means later
     processes need no tokenizer and the compile cache key covers the ids.
     """
+    check_option_keys(vllm_config)
     check_supported(vllm_config)
     check_hash_algo(vllm_config.cache_config.prefix_caching_hash_algo)
+    _check_connector_options(vllm_config)
     protocol = span_protocol_of(vllm_config)
+    check_markers_fit_model(protocol, vllm_config)
     if not isinstance(vllm_config.additional_config, dict):
         raise ValueError("minipic needs additional_config to be a dict")
     # New dicts: the caller's own additional_config must not change under it.
     section = {**vllm_config.additional_config.get(CONFIG_KEY, {}), **protocol.to_dict()}
     vllm_config.additional_config = {**vllm_config.additional_config, CONFIG_KEY: section}
     return protocol
+
+
+def _check_connector_options(vllm_config: Any) -> None:
+    """MiniPICConnector's options, checked here rather than when the connector is built
+    (in the engine core and workers, after the model loaded): a typo fails in seconds.
+    Parsed from a copy: each process completes the real dict itself."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None or kv.kv_connector != CONNECTOR_NAME:
+        return
+    from minipic.connector.connector import check_engine_config
+    from minipic.connector.options import ConnectorOptions
+
+    ConnectorOptions.parse(dict(kv.kv_connector_extra_config or {}))
+    check_engine_config(vllm_config)
 
 
 def _patch_engine_core_kv_init() -> None:
@@ -250,24 +274,46 @@ def _patch_prompt_validation() -> None:
     def make(original):
         def _validate_model_input(self, prompt_input, prompt_type, *args, **kwargs):
             original(self, prompt_input, prompt_type, *args, **kwargs)
-            check = _marker_check_of(self)
-            if check is not None and prompt_input.get("type") != "embeds":
-                check(prompt_input["prompt_token_ids"])
+            protocol = _protocol_of(self)
+            if protocol is not None and prompt_input.get("type") != "embeds":
+                try:
+                    protocol.check_marker_placement(prompt_input["prompt_token_ids"],
+                                                    self.vllm_config.cache_config.block_size)
+                except MisplacedMarkerError as e:
+                    # A plain ValueError here is an HTTP 500 with no message on vLLM 0.32.
+                    raise MisplacedMarkerRequestError(str(e)) from None
         return _validate_model_input
 
     _wrap(input_processor.InputProcessor, "_validate_model_input", make)
 
 
-def _marker_check_of(processor: Any) -> Callable[[list[int]], None] | None:
-    """The instance's marker-placement check, built on its first request (None: off)."""
+def _patch_prompt_end_check() -> None:
+    from vllm.v1.engine import input_processor
+
+    # process_inputs is the one place that sees both the prompt's tokens and the
+    # sampling parameters (the opt-in); its async twin is made from it per instance.
+    def make(original):
+        def process_inputs(self, *args, **kwargs):
+            request = original(self, *args, **kwargs)
+            protocol = _protocol_of(self)
+            if protocol is not None and request.prompt_token_ids is not None:
+                from minipic.span_tail import check_prompt_end
+
+                check_prompt_end(request.prompt_token_ids,
+                                 getattr(request, "sampling_params", None), protocol,
+                                 self.vllm_config.cache_config.block_size)
+            return request
+        return process_inputs
+
+    _wrap(input_processor.InputProcessor, "process_inputs", make)
+
+
+def _protocol_of(processor: Any) -> SpanProtocol | None:
+    """The instance's span protocol, resolved on its first request (None: minipic off)."""
     try:
-        return processor._minipic_marker_check
+        return processor._minipic_protocol
     except AttributeError:
         pass
     config = processor.vllm_config
-    check = None
-    if is_enabled(config):
-        protocol, block_size = span_protocol_of(config), config.cache_config.block_size
-        check = functools.partial(protocol.check_marker_placement, block_size=block_size)
-    processor._minipic_marker_check = check
-    return check
+    processor._minipic_protocol = span_protocol_of(config) if is_enabled(config) else None
+    return processor._minipic_protocol

@@ -115,3 +115,72 @@ def test_attention_masks_minipic_does_not_apply_are_refused(tiny_model, monkeypa
     monkeypatch.setattr(type(config.model_config), feature,
                         property(lambda self: True if feature == "is_mm_prefix_lm" else 512))
     assert [p for p in model_problems(config) if reason in p]
+
+
+def test_unknown_minipic_option_is_refused(tiny_model):
+    """A typo would silently leave the default in force."""
+    from minipic.config import UnknownOptionError
+
+    with pytest.raises(UnknownOptionError, match="'ssep_tokne_id'.*ssep_token_id"):
+        start_llm(tiny_model, additional_config={"minipic": {"ssep_tokne_id": 7}})
+
+
+def marker_ids(**overrides) -> dict:
+    ids = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5, **overrides}
+    return {"additional_config": {"minipic": ids}}
+
+
+@pytest.mark.parametrize("field", ["ssep_token_id", "pdep_token_id", "pad_token_id"])
+def test_marker_outside_the_vocabulary_is_refused(tiny_model, field):
+    from minipic.marker_checks import MarkerConfigError
+
+    with pytest.raises(MarkerConfigError, match=f"{field}=100000 is outside the model's "
+                                                "vocabulary"):
+        start_llm(tiny_model, **marker_ids(**{field: 100000}))
+
+
+@pytest.mark.parametrize("token_id, name", [(1, "BOS"), (2, "EOS")])
+def test_bos_or_eos_as_marker_is_refused(tiny_model, token_id, name):
+    from minipic.marker_checks import MarkerConfigError
+
+    with pytest.raises(MarkerConfigError, match=f"ssep_token_id={token_id} is the model's {name}"):
+        start_llm(tiny_model, **marker_ids(ssep_token_id=token_id))
+
+
+def connector(**options) -> dict:
+    return {"kv_transfer_config": {"kv_connector": "MiniPICConnector",
+                                   "kv_connector_module_path": "minipic.connector",
+                                   "kv_role": "kv_both", "kv_connector_extra_config": options}}
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"cpu_bytes": "abc"}, "cpu_bytes must be a positive size"),
+    ({"store_dir": ""}, "store_dir is empty"),
+    ({"store_dir": "/tmp/x", "disk_read_threads": "four"}, "disk_read_threads must be a positive"),
+    ({"block_size": 64}, "block by block"),
+])
+def test_bad_connector_options_fail_before_any_engine_process(tiny_model, options, message):
+    """Checked as the config is created, in the caller's process: not after the model
+    loaded in the engine core and its workers, inside several tracebacks."""
+    import multiprocessing
+    import time
+
+    from minipic.connector.options import ConnectorConfigError
+
+    started = time.monotonic()
+    with pytest.raises(ConnectorConfigError, match=message):
+        start_llm(tiny_model, **connector(**options))
+    assert multiprocessing.active_children() == []  # no engine core was started
+    assert time.monotonic() - started < 30
+
+
+def test_connector_without_prefix_caching_fails_at_config_creation(tiny_model):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from conftest import engine_kwargs
+    from minipic.connector.options import ConnectorConfigError
+
+    args = EngineArgs(**engine_kwargs(tiny_model, enable_prefix_caching=False,
+                                      **connector(store_dir="/tmp/x")))
+    with pytest.raises(ConnectorConfigError, match="prefix caching"):
+        args.create_engine_config()

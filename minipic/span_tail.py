@@ -1,0 +1,59 @@
+"""Front end: refuse generating from a prompt that ends inside an SSep span.
+
+Tokens inside an SSep span attend to their span only (minipic.attention.segments),
+and so do the tokens generated after a prompt whose last block belongs to one:
+`[system][SSep doc1][SSep doc2]` answers from doc2 alone, as if system and doc1
+were not there. That is what a span prefill wants (minipic's tools send the span
+plus one padding token with max_tokens=1 and discard the token), and almost never
+what a question wants, which belongs after a PDep task (the prompt builders put it
+there). So such a prompt is refused unless the request
+
+  * asks for at most one token (a span prefill: `max_tokens=1`), or
+  * opts in: `SamplingParams(extra_args={"minipic_end_in_span": True})`, over the
+    OpenAI API `"vllm_xargs": {"minipic_end_in_span": 1}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from minipic.protocol import SpanProtocol
+from minipic.request_errors import PromptEndsInSpanError
+
+OPT_IN_KEY = "minipic_end_in_span"
+
+
+def open_span_start(token_ids: Sequence[int], protocol: SpanProtocol,
+                    block_size: int) -> int | None:
+    """Where the SSep span holding the prompt's last token starts (None: not in one).
+
+    Markers act only at block starts: walk back over block starts to the nearest marker."""
+    markers = protocol.markers
+    for start in range((len(token_ids) - 1) // block_size * block_size, -1, -block_size):
+        token = token_ids[start]
+        if token in markers:
+            return start if token == protocol.ssep_token_id else None
+    return None
+
+
+def opted_in(sampling_params: Any) -> bool:
+    max_tokens = getattr(sampling_params, "max_tokens", None)
+    if max_tokens is not None and max_tokens <= 1:
+        return True
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return extra.get(OPT_IN_KEY) in (True, 1, "1", "true", "True")
+
+
+def check_prompt_end(token_ids: Sequence[int], sampling_params: Any, protocol: SpanProtocol,
+                     block_size: int) -> None:
+    """Raise PromptEndsInSpanError for a generation that would see only the last span."""
+    if sampling_params is None or not token_ids or opted_in(sampling_params):
+        return  # pooling requests generate nothing
+    start = open_span_start(token_ids, protocol, block_size)
+    if start is not None:
+        raise PromptEndsInSpanError(
+            f"the prompt ends inside the SSep span that starts at token {start}: generated "
+            "tokens would see only that span, not the prompt before it. Put the question "
+            "after a PDep task (minipic.client's prompt builders do), send max_tokens=1 to "
+            f"prefill the span, or opt in with the request's extra_args / vllm_xargs "
+            f"{{\"{OPT_IN_KEY}\": 1}}")
