@@ -305,6 +305,11 @@ def _patch_prompt_end_check() -> None:
             return request
         return process_inputs
 
+    # Checked on 0.32.0 only (0.25.1 not at hand): a vLLM without it loses this check alone.
+    if not hasattr(input_processor.InputProcessor, "process_inputs"):
+        logger.warning("minipic: this vLLM has no InputProcessor.process_inputs; prompts "
+                       "that end inside an SSep span are not refused")
+        return
     _wrap(input_processor.InputProcessor, "process_inputs", make)
 
 
