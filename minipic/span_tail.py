@@ -1,4 +1,4 @@
-"""Front end: refuse generating from a prompt that ends inside an SSep span.
+"""Front end: refuse generating from a prompt that ends inside an SSep span or a link.
 
 Tokens inside an SSep span attend to their span only (minipic.attention.segments),
 and so do the tokens generated after a prompt whose last block belongs to one:
@@ -11,6 +11,10 @@ there). So such a prompt is refused unless the request
   * asks for at most one token (a span prefill: `max_tokens=1`), or
   * opts in: `SamplingParams(extra_args={"minipic_end_in_span": True})`, over the
     OpenAI API `"vllm_xargs": {"minipic_end_in_span": 1}`.
+
+A prompt ending inside an EPIC link segment is refused for more than one token with
+no opt-in: generated tokens would sit at the link's shifted positions, which the
+host turns back in eager steps but a replayed CUDA graph would not (attention.links).
 """
 
 from __future__ import annotations
@@ -23,16 +27,15 @@ from minipic.request_errors import PromptEndsInSpanError
 OPT_IN_KEY = "minipic_end_in_span"
 
 
-def open_span_start(token_ids: Sequence[int], protocol: SpanProtocol,
-                    block_size: int) -> int | None:
-    """Where the SSep span holding the prompt's last token starts (None: not in one).
+def last_marker(token_ids: Sequence[int], protocol: SpanProtocol,
+                block_size: int) -> tuple[int, int] | None:
+    """(start, marker) of the segment holding the prompt's last token (None: no marker).
 
     Markers act only at block starts: walk back over block starts to the nearest marker."""
     markers = protocol.markers
     for start in range((len(token_ids) - 1) // block_size * block_size, -1, -block_size):
-        token = token_ids[start]
-        if token in markers:
-            return start if token == protocol.ssep_token_id else None
+        if token_ids[start] in markers:
+            return start, token_ids[start]
     return None
 
 
@@ -47,10 +50,19 @@ def opted_in(sampling_params: Any) -> bool:
 def check_prompt_end(token_ids: Sequence[int], sampling_params: Any, protocol: SpanProtocol,
                      block_size: int) -> None:
     """Raise PromptEndsInSpanError for a generation that would see only the last span."""
-    if sampling_params is None or not token_ids or opted_in(sampling_params):
+    if sampling_params is None or not token_ids:
         return  # pooling requests generate nothing
-    start = open_span_start(token_ids, protocol, block_size)
-    if start is not None:
+    found = last_marker(token_ids, protocol, block_size)
+    if found is None:
+        return
+    start, marker = found
+    max_tokens = getattr(sampling_params, "max_tokens", None)
+    if marker == protocol.link_token_id and (max_tokens is None or max_tokens > 1):
+        raise PromptEndsInSpanError(
+            f"the prompt ends inside the EPIC link segment that starts at token {start}: "
+            "generated tokens would take the link's positions. End the prompt with a PDep "
+            "task (minipic.client.epic does), or send max_tokens=1")
+    if marker == protocol.ssep_token_id and not opted_in(sampling_params):
         raise PromptEndsInSpanError(
             f"the prompt ends inside the SSep span that starts at token {start}: generated "
             "tokens would see only that span, not the prompt before it. Put the question "

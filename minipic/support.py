@@ -50,7 +50,7 @@ def model_problems(vllm_config: Any) -> list[str]:
             vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1,
     }
     problems = [reason for reason, present in checks.items() if present]
-    problems += _connector_problems(vllm_config)
+    problems += _connector_problems(vllm_config) + _mask_markers_problems(vllm_config)
     pass_config = vllm_config.compilation_config.pass_config
     problems += [
         f"compilation pass {name}: it fuses RoPE into K, minipic needs K unrotated; turn it off"
@@ -71,6 +71,17 @@ def _connector_problems(vllm_config: Any) -> list[str]:
         return []
     return [f"kv_connector {name!r}: it would share or load KV blocks that stock vLLM "
             f"instances read as rotated; use {CONNECTOR_NAME} (docs/connector.md)"]
+
+
+def _mask_markers_problems(vllm_config: Any) -> list[str]:
+    """mask_markers is a measurement option of the CPU (torch) backend only."""
+    from vllm.platforms import current_platform
+
+    from minipic.config import mask_markers
+
+    if mask_markers(vllm_config) and not current_platform.is_cpu():
+        return ["mask_markers: implemented by the CPU backend only (docs/recipes.md)"]
+    return []
 
 
 def check_supported(vllm_config: Any) -> None:

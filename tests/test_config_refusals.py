@@ -83,7 +83,7 @@ def test_callers_config_dict_is_not_modified(tiny_model):
     config = EngineArgs(**engine_kwargs(tiny_model, additional_config=additional)).create_engine_config()
     assert additional == {"minipic": {}}
     assert config.additional_config["minipic"] == {"ssep_token_id": 3, "pdep_token_id": 4,
-                                                   "pad_token_id": 5}
+                                                   "pad_token_id": 5, "link_token_id": 6}
 
 
 def test_switch_changes_the_compile_cache_key(tiny_model):
@@ -184,3 +184,18 @@ def test_connector_without_prefix_caching_fails_at_config_creation(tiny_model):
                                       **connector(store_dir="/tmp/x")))
     with pytest.raises(ConnectorConfigError, match="prefix caching"):
         args.create_engine_config()
+
+
+def test_mask_markers_is_refused_off_the_cpu(monkeypatch):
+    """Only the torch backend hides marker keys: on CUDA it is refused at start-up."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from minipic import support
+
+    config = SimpleNamespace(kv_transfer_config=None,
+                             additional_config={"minipic": {"mask_markers": True}})
+    assert support._mask_markers_problems(config) == []  # this machine: CPU
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert "CPU backend only" in support._mask_markers_problems(config)[0]

@@ -39,3 +39,14 @@ def test_span_prefill_opt_in_and_task_generate(llm):
     assert len(generate(llm, HEADER + SPAN, max_tokens=4,
                         extra_args={OPT_IN_KEY: True})) == 4
     assert len(generate(llm, HEADER + SPAN + [PDEP, 9, 10], max_tokens=4)) == 4
+
+
+def test_generation_from_inside_a_link_is_refused(llm):
+    """No opt-in: generated tokens would take the link's turned-back positions, which a
+    replayed CUDA graph does not turn back (attention.links)."""
+    link = [6, *SPAN[1:BLOCK_SIZE]]  # span 1's first block, carried by link 1
+    with pytest.raises(ValueError, match=f"ends inside the EPIC link segment that starts at "
+                                         f"token {BLOCK_SIZE + len(SPAN)}"):
+        generate(llm, HEADER + SPAN + link, max_tokens=4, extra_args={OPT_IN_KEY: True})
+    assert len(generate(llm, HEADER + SPAN + link, max_tokens=1)) == 1
+    assert len(generate(llm, HEADER + SPAN + link + [PDEP, 9], max_tokens=4)) == 4
