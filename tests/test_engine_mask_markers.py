@@ -7,7 +7,7 @@ import torch
 from conftest import start_llm, stop_llm
 from hf_reference import BlockAttentionReference, block_mask
 from test_engine_spans import (
-    DOCS, LOGPROB_ATOL, STEPS, build, generate, prefill, split_final, words,
+    DOCS, LOGPROB_ATOL, STEPS, assert_same_output, build, generate, prefill, split_final, words,
 )
 
 from minipic.protocol import SpanProtocol
@@ -39,9 +39,7 @@ def test_marker_and_pad_keys_are_hidden(llm, tiny_model):
     [out] = generate(llm, [prompt.vllm_final()])
     assert out.num_cached_tokens == prompt.expected_cached_tokens
     tokens, logprobs = quiet_reference(reference, prompt, protocol)
-    assert list(out.outputs[0].token_ids) == tokens
-    got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-    assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+    assert_same_output(out, tokens, logprobs)
     # Guard: the masked reference differs from plain Block-Attention.
     spans, task = split_final(prompt, protocol)
     _, unmasked = reference.greedy(spans, task, STEPS)

@@ -81,6 +81,13 @@ def split_final(prompt, protocol) -> tuple[list[list[int]], list[int]]:
     return [final[a:b] for a, b in zip(bounds, bounds[1:])], final[task_start:]
 
 
+def assert_same_output(out, tokens: list[int], logprobs: list[float]) -> None:
+    """The engine's greedy tokens and their logprobs are the reference's."""
+    assert list(out.outputs[0].token_ids) == tokens
+    got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+    assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
 def expected_tokens(reference, prompt, protocol) -> tuple[list[int], list[float]]:
     spans, task = split_final(prompt, protocol)
     return reference.greedy(spans, task, STEPS)
@@ -105,9 +112,7 @@ def test_block_attention_fidelity_vs_hf_block_mask(llm, protocol, reference):
     [out] = generate(llm, [prompt.vllm_final()])
     assert out.num_cached_tokens == prompt.expected_cached_tokens
     tokens, logprobs = expected_tokens(reference, prompt, protocol)
-    assert list(out.outputs[0].token_ids) == tokens
-    got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-    assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+    assert_same_output(out, tokens, logprobs)
 
 
 def test_span_prefilled_in_context_differs_from_alone(llm, protocol, reference):
@@ -174,9 +179,7 @@ def test_span_computed_in_a_final_prompt_is_cached_honestly(llm, protocol, refer
         [out] = generate(llm, [TokensPrompt(prompt_token_ids=prompt.final, cache_salt=salt)])
         assert (out.num_cached_tokens == prompt.expected_cached_tokens) == hits_spans
         tokens, logprobs = expected_tokens(reference, prompt, protocol)
-        assert list(out.outputs[0].token_ids) == tokens
-        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-        assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+        assert_same_output(out, tokens, logprobs)
 
 
 def test_a_marker_inside_a_block_is_a_request_error(llm, protocol):
@@ -248,9 +251,7 @@ def test_epic_hits_every_document_tail_and_matches_the_reference(llm, protocol, 
     assert prompt.expected_cached_tokens == len(prompt.final) - links
     assert prompt.final.count(protocol.link_token_id) == len(EPIC_DOCS)
     tokens, logprobs = epic_reference(reference, prompt, len(EPIC_DOCS))
-    assert list(out.outputs[0].token_ids) == tokens
-    got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-    assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+    assert_same_output(out, tokens, logprobs)
 
 
 def test_epic_reference_depends_on_link_positions_and_links(reference, protocol):
@@ -277,9 +278,7 @@ def test_epic_miss_path_computes_spans_honestly(llm, protocol, reference):
         [out] = generate(llm, [TokensPrompt(prompt_token_ids=prompt.final, cache_salt=salt)])
         assert (out.num_cached_tokens == prompt.expected_cached_tokens) == hits
         tokens, logprobs = epic_reference(reference, prompt, len(docs))
-        assert list(out.outputs[0].token_ids) == tokens
-        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-        assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+        assert_same_output(out, tokens, logprobs)
 
 
 def test_a_link_without_its_span_is_a_request_error(llm, protocol):

@@ -45,6 +45,14 @@ def test_misplaced_marker_is_a_400_naming_its_position(client):
     assert "prompt token 5 is minipic's SSep marker" in error.value.message
 
 
+def test_link_without_its_span_is_a_400_naming_its_position(client):
+    link = [6, *words(BLOCK_SIZE - 1)]  # minipic's link marker (tiny model: reserved token 6)
+    with pytest.raises(openai.BadRequestError) as error:
+        complete(client, words(BLOCK_SIZE) + link + [PDEP, 9], max_tokens=2)
+    assert error.value.status_code == 400
+    assert "prompt token 32 starts link block 1, but only 0 SSep span(s)" in error.value.message
+
+
 def span(n: int) -> list[int]:
     """[SSep] + n words + padding to the block size."""
     tokens = [SSEP, *words(n)]
