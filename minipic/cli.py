@@ -82,6 +82,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _evict(args: argparse.Namespace) -> int:
     from minipic.connector.store.eviction import evict_lru
     from minipic.connector.store.namespace import is_store_root
+    from minipic.connector.store.stats import record_evictions
 
     if not is_store_root(args.dir):
         print(f"minipic: {args.dir} is not a minipic store", file=sys.stderr)
@@ -94,6 +95,7 @@ def _evict(args: argparse.Namespace) -> int:
     if not result.ran:
         print("another process is evicting; try again later", file=sys.stderr)
         return 1
+    record_evictions(result.removed)  # `minipic store stats` counts these too
     print(f"removed {result.removed_files} blocks ({_human(result.removed_bytes)}), "
           f"{_human(result.remaining_bytes)} left")
     return 0

@@ -12,11 +12,13 @@ keeps working if it has either shape.
 | tier job primary slots       | JobMetadata.block_ids                | TransferJob.chunk_ids                |
 | DualQueueThreadPool finished | (job_id, success)                    | (job_id, success, seconds)           |
 | tier medium (hit source)     | absent                               | Medium.STORAGE                       |
+| CPU tier region (both)       | spec._scheduler_mmap (.mmap_path, ._creator), worker._mmap_region |
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 try:  # 0.32: lets vLLM report disk-tier hits as CacheHitSource.DISK
@@ -81,3 +83,36 @@ def job_slots(job: Any) -> Any:
 
 def finished_jobs(pool: Any) -> list[tuple[int, bool]]:
     return [(item[0], bool(item[1])) for item in pool.get_finished()]
+
+
+def disown_cpu_tier_name(worker: Any) -> None:
+    """This worker will not unlink the CPU tier's file name: the scheduler does, earlier
+    (`release_cpu_tier_name`). vLLM's worker keeps its region in `_mmap_region`, ours in
+    `_region`; `_creator` makes its cleanup unlink the name (0.25.1 and 0.32.0)."""
+    region = getattr(worker, "_mmap_region", None) or getattr(worker, "_region", None)
+    if region is not None and hasattr(region, "_creator"):
+        region._creator = False
+
+
+def release_cpu_tier_name(spec: Any) -> str | None:
+    """Unlink the CPU tier's /dev/shm file once every process that shares it has it mapped;
+    returns the path it unlinked.
+
+    vLLM's tiering spec (0.25.1, 0.32.0) maps /dev/shm/vllm_offload_<engine>.mmap in each
+    worker, then in the scheduler, with no barrier, and unlinks it only in the creating
+    worker's cleanup, which a stopping server often never reaches (vLLM kills an engine
+    that outlasts its shutdown timeout): a `cpu_bytes` file stayed behind on SIGTERM. The
+    engine core builds the scheduler after every worker has set up its KV caches (and with
+    them its region), and the disk tier's reader processes have the file open by then, so
+    the name is no longer needed once the scheduler has its manager: unlinked, the memory
+    goes with the last process that maps it, however it exits. Called whether or not the
+    manager could be built (a failed start leaves nothing either)."""
+    region = getattr(spec, "_scheduler_mmap", None)
+    if region is not None and getattr(region, "_creator", False):
+        return None  # no worker has joined yet (not the order above): vLLM's cleanup unlinks it
+    path = getattr(region, "mmap_path", None) or f"/dev/shm/vllm_offload_{engine_id(spec)}.mmap"
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    return path

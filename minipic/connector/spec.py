@@ -11,6 +11,7 @@ stores of blocks the disk tier already holds (scheduler/skip_known_blocks.py).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -18,6 +19,8 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from minipic.connector import compat
 from minipic.connector.options import ConnectorConfigError, TIER_TYPE
+
+logger = logging.getLogger("vllm.minipic.connector")  # shares vLLM's handlers
 
 # vLLM 0.25's tier factory has no out-of-tree hook but registration; importing
 # this module (the factory imports it by spec_module_path) registers the tier
@@ -49,7 +52,13 @@ class MiniPICOffloadingSpec(TieringOffloadingSpec):
             from minipic.connector.scheduler.disk_tier import MiniPICDiskTier
             from minipic.connector.scheduler.skip_known_blocks import SkipKnownBlocks
 
-            manager = super().get_manager()
+            try:
+                manager = super().get_manager()
+            finally:  # every process that shares the CPU tier has it mapped (compat.py)
+                path = compat.release_cpu_tier_name(self)
+                if path is not None:
+                    logger.info("minipic: unlinked %s, mapped by every engine process; its "
+                                "memory goes with the last of them", path)
             disk = [t for t in getattr(manager, "secondary_tiers", ())
                     if isinstance(t, MiniPICDiskTier)]
             self._minipic_manager = SkipKnownBlocks(manager, disk[0].holds) if disk \
@@ -64,4 +73,5 @@ class MiniPICOffloadingSpec(TieringOffloadingSpec):
                 from minipic.connector.worker.torch_copy import TorchCopyWorker
 
                 self._worker = TorchCopyWorker(kv_caches, compat.open_worker_region(self))
+            compat.disown_cpu_tier_name(self._worker)  # the scheduler unlinks it, at start-up
         return self._worker

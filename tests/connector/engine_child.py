@@ -7,6 +7,7 @@ PLAN: {"model": ..., "extra_config": {...}, "steps": [...]} where a step is
   {"op": "touch", "path": str}        signal another process
   {"op": "wait", "path": str}         wait for another process's signal
   {"op": "sleep", "seconds": float}   let background offloading finish
+  {"op": "cli", "args": [...]}        run `minipic ...` (e.g. store evict) while the engine runs
 OUT: {"results": {name: [{"tokens": [...], "cached": int}, ...]}}
 
 Tests start it with subprocess so that each engine is a fresh process: a
@@ -70,6 +71,11 @@ def main(plan_path: str, out_path: str) -> None:
             wait_for(step["path"])
         elif step["op"] == "sleep":
             time.sleep(step["seconds"])
+        elif step["op"] == "cli":
+            from minipic.cli import main as minipic_cli
+
+            if minipic_cli(step["args"]) != 0:
+                raise RuntimeError(f"minipic {' '.join(step['args'])} failed")
     with open(out_path, "w") as f:
         json.dump({"results": results}, f)
     del llm  # shut the engine down: the disk tier finishes its writes

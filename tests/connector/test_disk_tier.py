@@ -7,6 +7,7 @@ import errno
 import logging
 import mmap
 import os
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,15 +17,18 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult, OffloadPolicy, ReqContext, make_offload_key)
 
 from minipic.connector.scheduler.disk_tier import MiniPICDiskTier  # noqa: E402
 from minipic.connector.scheduler.span_heads import SpanHeads, span_head_keys  # noqa: E402
 from minipic.connector.store import block_file  # noqa: E402
+from minipic.connector.store.namespace import FORMAT_VERSION  # noqa: E402
 from minipic.connector.store.stats import scan_store  # noqa: E402
 
 ROW = 4096
-FIELDS = {"format": "minipic-span-store", "model": "m", "dtype": "float32"}
+FIELDS = {"format": "minipic-span-store", "format_version": FORMAT_VERSION, "model": "m",
+          "dtype": "float32"}
 CTX = ReqContext(req_id="r")
 
 
@@ -435,3 +439,76 @@ def test_a_store_secret_authenticates_every_block(tmp_path, loads_on):
     assert plain.lookup(key(1)) is LookupResult.MISS
     plain.tier.shutdown()
     assert Path(h.tier.path_of(key(1))).read_bytes() == good
+
+
+def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("lost_by", ["minipic store evict", "another replica's eviction",
+                                     "verify --remove", "a wiped disk", "rm"])
+def test_blocks_believed_stored_do_not_outlive_their_files(tmp_path, monkeypatch, lost_by):
+    """A server skips storing GPU hits it believes stored; once the store loses their files
+    (whoever removes them) it must store them again, or `minipic-preload` reports spans
+    'already stored' that the store does not have."""
+    from minipic.cli import main
+    from minipic.connector.scheduler import disk_tier
+    from minipic.connector.store.eviction import evict_lru
+
+    monkeypatch.setattr(disk_tier, "FULL_CHECK_S", 1.0 if lost_by == "rm" else 3600.0)
+    store = tmp_path / "store"
+    h = Harness(store)
+    h.tier.open(FIELDS)
+    h.rows[0] = 5
+    keys = [key(1), key(2)]
+    assert h.run(h.tier.submit_store, keys, [0, 0])
+    assert all(h.tier.holds(k) for k in keys)  # vLLM's stores of these are skipped
+    paths = [h.tier.path_of(k) for k in keys]
+    if lost_by == "minipic store evict":
+        assert main(["store", "evict", str(store), "--max-bytes", "0"]) == 0
+    elif lost_by == "another replica's eviction":
+        assert evict_lru(store, max_bytes=0).removed_files == 2
+    elif lost_by == "verify --remove":
+        for path in paths:
+            Path(path).write_bytes(Path(path).read_bytes()[:-1])
+        assert main(["store", "verify", str(store), "--remove"]) == 0
+    elif lost_by == "a wiped disk":
+        shutil.rmtree(store)
+    else:
+        for path in paths:
+            os.unlink(path)
+    assert not any(os.path.exists(p) for p in paths)
+    _until(lambda: not any(h.tier.holds(k) for k in keys), timeout_s=10)
+    assert h.tier.on_new_request(CTX).policy is OffloadPolicy.REQUEST_LEVEL  # see on_new_request
+    assert h.run(h.tier.submit_store, keys, [0, 0])  # what vLLM now sends again
+    assert all(os.path.exists(p) for p in paths)
+    h.tier.shutdown()
+    [ns] = scan_store(store)  # a wiped store is set up again, not left without namespace.json
+    assert ns.blocks == 2 and ns.fields is not None
+
+
+def test_counters_reach_the_disk_within_seconds(tmp_path):
+    """They used to be written at clean shutdown, or when a load finished."""
+    h = Harness(tmp_path / "store")
+    h.tier.open(FIELDS)
+    assert h.run(h.tier.submit_store, [key(1), key(2)], [0, 1])
+    started = time.monotonic()
+    _until(lambda: scan_store(tmp_path / "store")[0].counters["stored_blocks"] == 2)
+    assert time.monotonic() - started < 5
+    h.tier.shutdown()
+
+
+def test_every_eviction_is_counted(tmp_path):
+    from minipic.cli import main
+
+    h = Harness(tmp_path / "store", max_bytes=10 * (block_file.HEADER_LEN + ROW))
+    h.tier.open(FIELDS)
+    assert h.run(h.tier.submit_store, [key(i) for i in range(4)], [0, 1, 2, 3])
+    h.tier.shutdown()
+    assert main(["store", "evict", str(tmp_path / "store"), "--max-bytes", "0"]) == 0
+    [ns] = scan_store(tmp_path / "store")
+    assert ns.counters["evicted_blocks"] == 4
+    assert ns.counters["evicted_bytes"] == 4 * (block_file.HEADER_LEN + ROW)

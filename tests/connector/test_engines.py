@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -253,6 +254,36 @@ def test_gpu_hits_on_stored_spans_are_not_copied_back(world):
     assert ns.counters["duplicate_blocks"] == 0
 
 
+def test_6_spans_the_store_lost_are_written_back(world):
+    """A running engine holds its spans (GPU and CPU tier) and knows them stored; the store
+    loses them (`minipic store evict`, as another replica's eviction or a wiped disk would).
+    The next requests for them must write them back: they used to be skipped as stored."""
+    tmp, store = world["tmp"], world["tmp"] / "store-lost"
+    span_blocks = sum(len(s) // BS for s in P["spans"])
+    results = run_engine(tmp, "lost", world["model"], store, [
+        gen("spans", P["spans"], max_tokens=1), {"op": "sleep", "seconds": 2},
+        {"op": "cli", "args": ["store", "evict", str(store), "--max-bytes", "0"]},
+        {"op": "sleep", "seconds": 3},  # the engine checks for removals every second
+        gen("again", P["spans"], max_tokens=1), {"op": "sleep", "seconds": 2}])
+    assert all(r["cached"] > 0 for r in results["again"])  # hits on GPU: nothing recomputed
+    ns = store_stats(store)
+    assert ns.blocks == span_blocks
+    assert ns.counters["evicted_blocks"] == span_blocks  # the CLI's evictions count (item 10)
+    assert_store_clean(store)
+    assert "gone from" in (tmp / "lost.log").read_text()
+
+
+def _cpu_tier_files(log: Path) -> list[str]:
+    """The /dev/shm files vLLM created for an engine's CPU tier (it logs each)."""
+    return sorted(set(re.findall(r"Created mmap file (/dev/shm/\S+\.mmap)", log.read_text())))
+
+
+def test_a_stopped_engine_leaves_no_cpu_tier_in_dev_shm(world):
+    """Normal exit (engine A); SIGTERM is test_5's server."""
+    files = _cpu_tier_files(world["tmp"] / "A.log")
+    assert files and not [f for f in files if os.path.exists(f)]
+
+
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
@@ -265,11 +296,17 @@ def test_5_vllm_serve_answers_span_prompts_with_hits(world):
     shutil.copytree(world["store"], store)
     kv = {"kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
           "kv_role": "kv_both", "kv_connector_extra_config": extra_config(store)}
-    with api_server(world["model"], world["tmp"] / "serve.log", "--max-model-len", "1024",
+    log = world["tmp"] / "serve.log"
+    with api_server(world["model"], log, "--max-model-len", "1024",
                     "--kv-transfer-config", json.dumps(kv)) as url:
         reply = _post(f"{url}/v1/completions", {
             "model": world["model"], "prompt": FINALS[0], "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
+        files = _cpu_tier_files(log)
+        # Unlinked once every engine process has it mapped: not even SIGKILL can leak it.
+        assert files and not [f for f in files if os.path.exists(f)]
+    # The server was stopped with SIGTERM (vLLM then kills its engine): nothing left behind.
+    assert not [f for f in files if os.path.exists(f)]
     assert reply["choices"][0]["token_ids"] == world["a"]["finals"][0]["tokens"]
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == FULL_HITS[0]
     assert store_stats(store).counters["hit_blocks"] >= FULL_HITS[0] // BS

@@ -33,6 +33,10 @@ class BoundedKeys:
             for key in keys:
                 self._keys.pop(key, None)
 
+    def snapshot(self) -> list[OffloadKey]:
+        with self._lock:
+            return list(self._keys)
+
     def __contains__(self, key: object) -> bool:
         with self._lock:
             return key in self._keys

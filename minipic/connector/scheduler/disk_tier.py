@@ -19,7 +19,11 @@ for I/O) and adds what the stock FS tier lacks:
   * loads in reader processes of their own (`reader_processes.py`), so they do
     not wait for the GIL while the scheduler busy-polls; threads as a fallback;
   * `known_blocks`: the keys known to have a file, so that GPU hits are not
-    copied back to the CPU tier (`skip_known_blocks.py`).
+    copied back to the CPU tier (`skip_known_blocks.py`); a watcher thread
+    forgets the keys whose files are gone (evicted by anyone, removed, wiped),
+    and request-level offloading stores blocks the CPU tier holds but the store
+    lost, so nothing stays "stored" that the store no longer has;
+  * counters flushed every couple of seconds by that thread, off the scheduler.
 
 Everything here runs on the scheduler thread except the task closures, which
 run on pool threads and only touch the CPU-tier buffer and the files (or, for
@@ -43,6 +47,7 @@ from typing import Any, ClassVar
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadKey,
+    OffloadPolicy,
     ReqContext,
     RequestOffloadingContext,
     get_offload_block_hash,
@@ -61,15 +66,19 @@ from minipic.connector.scheduler.skip_known_blocks import KnownBlocks
 from minipic.connector.scheduler.span_heads import SpanHeads
 from minipic.connector.store import block_file, eviction
 from minipic.connector.store.namespace import (
-    StoreNamespace, block_key_of_path, block_path, open_namespace)
+    NAMESPACE_FILE, StoreNamespace, block_key_of_path, block_path, open_namespace)
 from minipic.connector.store.secret import load_secret, secret_id
-from minipic.connector.store.stats import ProcessCounters
+from minipic.connector.store.stats import ProcessCounters, evictions_by_namespace
 
 logger = logging.getLogger("vllm.minipic.connector")  # shares vLLM's handlers
 
 # After a write fails for lack of space or permission, stop writing for this
 # long, then try again (eviction or an operator may have made room).
 WRITE_BACKOFF_S = 30.0
+# The watcher looks for removals this often (one stat), checks every known key's file at
+# once when something was removed, and every FULL_CHECK_S anyway (files removed by hand).
+WATCH_S = 1.0
+FULL_CHECK_S = 60.0
 
 
 @dataclasses.dataclass
@@ -125,6 +134,9 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._jobs: dict[int, _Job] = {}
         self._bytes_since_eviction = 0
         self._evicting = threading.Lock()
+        self._other_counters: dict[Path, ProcessCounters] = {}  # evictions in other namespaces
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
         self._prefault_primary()
         self._readers = self._start_readers(n_read_processes)
@@ -195,6 +207,9 @@ class MiniPICDiskTier(SecondaryTierManager):
         elif writable:  # no limit, so no eviction: sweep killed writers' temp files at start
             threading.Thread(target=eviction.remove_stale_temp_files, args=(self.root_dir,),
                              name="minipic_sweep", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch_store, name="minipic_store_watch",
+                                         daemon=True)
+        self._watcher.start()
 
     @property
     def primary_bytes(self) -> int:
@@ -226,14 +241,17 @@ class MiniPICDiskTier(SecondaryTierManager):
         return LookupResult.HIT if found else LookupResult.MISS
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
+        # Request level: blocks of the request that the CPU tier already holds are offered to
+        # this tier too (vLLM stores only what the CPU tier lacks, at chunk level), so a block
+        # whose file the store lost is written back on its next hit; the known ones never
+        # get here (SkipKnownBlocks), so this costs nothing while the store keeps its files.
+        return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup.cleanup(req_context.req_id)
 
     def on_schedule_end(self, context: Any) -> None:
         self._lookup.flush()
-        self.counters.maybe_flush()
 
     # -- transfers --------------------------------------------------------------
 
@@ -314,6 +332,7 @@ class MiniPICDiskTier(SecondaryTierManager):
                 logger.warning("minipic store: ignoring %s (%s); it will be recomputed",
                                path, reason)
                 _remove_if_same(path, inode)
+                eviction.announce_removals(self.root_dir)  # other replicas may believe it stored
             elif status == FAILED:
                 unreadable.append((path, detail))
         if unreadable:  # one line per chunk: a dead reader fails all of its blocks at once
@@ -326,7 +345,6 @@ class MiniPICDiskTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._instant_results = self._instant_results, []
-        loaded = False
         for job_id, success in compat.finished_jobs(self._pool):
             job = self._jobs.pop(job_id, None)
             results.append(JobResult(job_id=job_id, success=success))
@@ -335,17 +353,12 @@ class MiniPICDiskTier(SecondaryTierManager):
             if success:
                 self.known_blocks.add(job.keys)
             if not job.is_store:
-                loaded |= success
                 # Files to CPU tier, first submit to last block: how fast the store reads.
                 self.counters.add(load_jobs=1,
                                   load_us=int((job.last_task_done - job.started) * 1e6))
             elif success:
                 self._bad_keys.difference_update(job.keys)  # rewritten: trust the file again
                 self._note_written(len(job.keys) * self._row_bytes)
-        if loaded:
-            # Hits are what `minipic store stats` is read for: write them now (one small
-            # file per finished load), not only at shutdown, which vLLM may cut short.
-            self.counters.maybe_flush(force=True)
         # Drained after the finished list: a task records its reject before it
         # completes, so every reject of a job returned above is already queued.
         self._drain_rejects()
@@ -397,10 +410,10 @@ class MiniPICDiskTier(SecondaryTierManager):
     def _evict(self) -> None:
         try:
             result = eviction.evict_lru(self.root_dir, self.max_bytes)
-            self._forget_removed(result.removed_paths)
+            self._forget_removed([block.path for block in result.removed])
+            for ns_dir, counts in evictions_by_namespace(result.removed).items():
+                self._counters_of(ns_dir).add(**counts)
             if result.removed_files:
-                self.counters.add(evicted_blocks=result.removed_files,
-                                  evicted_bytes=result.removed_bytes)
                 logger.info("minipic store: evicted %d blocks (%d bytes), %d bytes left",
                             result.removed_files, result.removed_bytes, result.remaining_bytes)
         except OSError as e:
@@ -408,11 +421,66 @@ class MiniPICDiskTier(SecondaryTierManager):
         finally:
             self._evicting.release()
 
+    def _counters_of(self, ns_dir: Path) -> ProcessCounters:
+        if ns_dir == self._ns_dir:
+            return self.counters
+        if ns_dir not in self._other_counters:  # only the eviction thread adds
+            self._other_counters[ns_dir] = ProcessCounters(ns_dir)
+        return self._other_counters[ns_dir]
+
     def _forget_removed(self, paths: list[str]) -> None:
         """Evicted files are no longer known: a GPU hit on them must be stored again."""
         prefix = f"{self._ns_dir}{os.sep}"
         keys = (block_key_of_path(p) for p in paths if p.startswith(prefix))
         self.known_blocks.discard(make_offload_key(*k) for k in keys if k is not None)
+
+    # -- the store under us ------------------------------------------------------------
+
+    def _watch_store(self) -> None:
+        """Keep known_blocks true to the files, and the counters on disk (own thread).
+
+        Whoever removes block files announces it (`eviction.announce_removals`): then every
+        known key's file is checked (one stat each) and the missing ones forgotten, so their
+        next store or GPU hit writes them again. Files removed any other way are caught by
+        the check every FULL_CHECK_S; a wiped store (its namespace.json gone) is set up again.
+        """
+        mark, last_check = self._store_mark(), time.monotonic()
+        while not self._stop.wait(WATCH_S):
+            try:
+                for counters in (self.counters, *list(self._other_counters.values())):
+                    counters.maybe_flush()
+                now_mark = self._store_mark()
+                if now_mark != mark or time.monotonic() - last_check >= FULL_CHECK_S:
+                    mark, last_check = now_mark, time.monotonic()
+                    self._rejoin_if_wiped()
+                    self._forget_missing()
+            except Exception as e:  # never let the watcher die: it is what keeps state true
+                logger.warning("minipic store: checking the store failed: %s", e)
+
+    def _store_mark(self) -> tuple:
+        """Changes when blocks were removed, or the namespace folder was (a wiped store)."""
+        try:
+            namespace_file = os.stat(self._ns_dir / NAMESPACE_FILE).st_ino
+        except OSError:
+            namespace_file = None
+        return eviction.removals_mark(self.root_dir), namespace_file
+
+    def _forget_missing(self) -> None:
+        missing = [k for k in self.known_blocks.snapshot() if not os.path.exists(self.path_of(k))]
+        if missing:
+            self.known_blocks.discard(missing)
+            logger.info("minipic store: %d blocks believed stored are gone from %s; they "
+                        "will be stored again", len(missing), self.root_dir)
+
+    def _rejoin_if_wiped(self) -> None:
+        if self._writes_off_until == float("inf") or (self._ns_dir / NAMESPACE_FILE).exists():
+            return  # read-only, or intact
+        try:
+            open_namespace(self.root_dir, self._namespace)
+            logger.warning("minipic store: %s was removed; set it up again", self._ns_dir)
+        except Exception as e:
+            logger.warning("minipic store: %s was removed and cannot be set up again: %s",
+                           self._ns_dir, e)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -422,6 +490,7 @@ class MiniPICDiskTier(SecondaryTierManager):
     def shutdown(self) -> None:
         # Counters first: vLLM kills an engine that takes too long to stop, and
         # waiting for the writes below can take that long on a loaded machine.
+        self._stop.set()
         self.counters.maybe_flush(force=True)
         # Finish queued writes (the pool's shutdown drops queued tasks):
         # blocks computed just before a restart are exactly the ones to keep.
@@ -430,7 +499,10 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._pool.shutdown(wait=True)
         if self._readers is not None:
             self._readers.close()
-        self.counters.maybe_flush(force=True)
+        if self._watcher is not None:
+            self._watcher.join()
+        for counters in (self.counters, *self._other_counters.values()):
+            counters.maybe_flush(force=True)
         # Our byte view pins the CPU tier's mmap: release it so the tier can close it.
         self._view.release()
 

@@ -8,6 +8,11 @@ with no shared index to lock. One replica evicts at a time (a non-blocking
 that already opened a file keeps reading it, a later reader gets
 FileNotFoundError and recomputes. The limit is therefore soft: between scans
 each replica may add what it writes.
+
+Whoever removes block files (eviction here, `minipic store verify --remove`, an engine
+dropping a file it rejected) then appends a byte to `<root>/.removals`: running engines
+watch that file's size and forget which blocks they believed stored (see
+`disk_tier.MiniPICDiskTier._watch_store`), so they write them again.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Iterator
 from minipic.connector.store.namespace import block_key_of_path, namespace_dirs
 
 LOCK_FILE = ".evict.lock"
+REMOVALS_FILE = ".removals"  # grows by a byte whenever blocks are removed
+_REMOVALS_MAX = 1 << 20  # then starts again from empty (a change all the same)
 LOW_WATERMARK = 0.9  # evict down to 90% so eviction does not run on every store
 TEMP_SUFFIX = ".tmp"  # writers write <file>.<pid>.<random>.tmp, then rename
 STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died mid-write
@@ -90,7 +97,7 @@ class EvictionResult:
     removed_files: int = 0
     removed_bytes: int = 0
     remaining_bytes: int = 0
-    removed_paths: list[str] = dataclasses.field(default_factory=list)
+    removed: list[BlockEntry] = dataclasses.field(default_factory=list)
 
 
 def evict_lru(root: str | os.PathLike, max_bytes: int,
@@ -119,9 +126,33 @@ def evict_lru(root: str | os.PathLike, max_bytes: int,
             else:
                 result.removed_files += 1
                 result.removed_bytes += block.size
-                result.removed_paths.append(block.path)
+                result.removed.append(block)
             result.remaining_bytes -= block.size
+        if result.removed:
+            announce_removals(root)
         return result
+
+
+def announce_removals(root: str | os.PathLike) -> None:
+    """Tell running engines that block files under store `root` were removed; best effort."""
+    with contextlib.suppress(OSError):  # a read-only store, or something planted there
+        fd = os.open(Path(root) / REMOVALS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                     | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            if os.fstat(fd).st_size >= _REMOVALS_MAX:
+                os.ftruncate(fd, 0)
+            os.write(fd, b"\n")
+        finally:
+            os.close(fd)
+
+
+def removals_mark(root: str | os.PathLike) -> tuple[int, int, int] | None:
+    """Changes whenever `announce_removals(root)` runs (or the store is wiped)."""
+    try:
+        st = os.stat(Path(root) / REMOVALS_FILE)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def remove_stale_temp_files(root: str | os.PathLike, max_age_s: float = STALE_TEMP_S) -> int:

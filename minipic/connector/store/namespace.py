@@ -155,14 +155,23 @@ def block_key_of_path(path: str) -> tuple[bytes, int] | None:
         return None
 
 
+def is_other_version(fields: Mapping[str, Any] | None) -> bool:
+    """A namespace of another minipic version's store format (engines of this one skip it)."""
+    return bool(fields) and fields.get("format") == STORE_FORMAT \
+        and isinstance(fields.get("format_version"), int) \
+        and fields["format_version"] != FORMAT_VERSION
+
+
 def namespace_problem(ns_dir: Path, fields: Mapping[str, Any] | None) -> str | None:
     """Why no engine of this minipic loads from `ns_dir`, or None if one may: the folder
     must be named after its namespace.json (an engine refuses a folder whose manifest
     describes another configuration) and be of this minipic's format."""
     if fields is None:
         return f"no readable {NAMESPACE_FILE}"
-    if fields.get("format") != STORE_FORMAT or fields.get("format_version") != FORMAT_VERSION:
-        return (f"store format version {fields.get('format_version')!r} (another minipic "
+    if fields.get("format") != STORE_FORMAT or not isinstance(fields.get("format_version"), int):
+        return f"{NAMESPACE_FILE} is not a minipic namespace's"
+    if is_other_version(fields):
+        return (f"store format version {fields['format_version']} (another minipic "
                 f"version's); this minipic reads version {FORMAT_VERSION}")
     if StoreNamespace(fields).dirname != Path(ns_dir).name:
         return f"{NAMESPACE_FILE} does not match the folder's name (copied or edited)"

@@ -1,8 +1,10 @@
 """What a store holds and how it is used.
 
 Each engine process counts its own disk hits, writes and rejections in memory
-and now and then replaces `<ns>/stats/<process>.json` with the totals, so
-counters never need a shared lock. `scan_store` adds those files up and walks
+and replaces `<ns>/stats/<process>.json` with the totals every couple of seconds
+(from a thread of its own, so a killed engine loses seconds of counts, not all),
+so counters never need a shared lock. `minipic store evict` leaves a file of its
+own in each namespace it evicted from. `scan_store` adds those files up and walks
 the block files (headers only) for spans, blocks and bytes.
 """
 
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from minipic.connector.store.block_file import FLAG_SPAN_HEAD, BlockRejected, read_header
-from minipic.connector.store.eviction import iter_blocks
+from minipic.connector.store.eviction import BlockEntry, iter_blocks
 from minipic.connector.store.namespace import MAX_JSON_BYTES, is_store_root, list_namespaces
 from minipic.connector.store.regular_files import read_regular
 
@@ -29,10 +31,13 @@ COUNTERS = ("hit_blocks", "hit_bytes", "stored_blocks", "stored_bytes", "duplica
             "evicted_bytes", "load_jobs", "load_us")
 
 
+FLUSH_EVERY_S = 2.0
+
+
 class ProcessCounters:
     """Thread-safe counters of one engine process, flushed to its own file."""
 
-    def __init__(self, ns_dir: Path | None, flush_every_s: float = 5.0):
+    def __init__(self, ns_dir: Path | None, flush_every_s: float = FLUSH_EVERY_S):
         self._lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
         self._dirty = False
@@ -66,6 +71,26 @@ class ProcessCounters:
             os.replace(tmp, self._path)
         except OSError:
             pass
+
+
+def evictions_by_namespace(removed: list[BlockEntry]) -> dict[Path, dict[str, int]]:
+    """Counters for the blocks an eviction removed, per namespace folder (<ns>/blocks/ab/cd/f)."""
+    counts: dict[Path, dict[str, int]] = {}
+    for block in removed:
+        ns = counts.setdefault(Path(block.path).parents[3],
+                               {"evicted_blocks": 0, "evicted_bytes": 0})
+        ns["evicted_blocks"] += 1
+        ns["evicted_bytes"] += block.size
+    return counts
+
+
+def record_evictions(removed: list[BlockEntry]) -> None:
+    """Count, in each namespace, the blocks a process that keeps no counters of its own
+    (`minipic store evict`) removed: one counters file per namespace, written now."""
+    for ns_dir, counts in evictions_by_namespace(removed).items():
+        counters = ProcessCounters(ns_dir)
+        counters.add(**counts)
+        counters.maybe_flush(force=True)
 
 
 @dataclasses.dataclass

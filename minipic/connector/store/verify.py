@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from minipic.connector.store import block_file
+from minipic.connector.store.eviction import announce_removals
 from minipic.connector.store.namespace import (
-    FORMAT_VERSION, block_key, block_key_of_path, list_namespaces, namespace_problem)
+    block_key, block_key_of_path, is_other_version, list_namespaces, namespace_problem)
 from minipic.connector.store.secret import secret_id
 
 
@@ -55,8 +56,7 @@ def verify_store(root: str | os.PathLike, *, secret: bytes | None = None, remove
     result = VerifyResult()
     for ns_dir, fields in list_namespaces(root):
         problem = namespace_problem(ns_dir, fields)
-        if problem is not None and fields is not None \
-                and fields.get("format_version") != FORMAT_VERSION:
+        if is_other_version(fields):
             say(f"skipped: {ns_dir}: {problem}")
             continue
         if problem is None and not isinstance(fields.get("payload_bytes"), int):
@@ -76,6 +76,8 @@ def verify_store(root: str | os.PathLike, *, secret: bytes | None = None, remove
             say(f"unauthenticated: {ns_dir}: its blocks are authenticated ({auth}) and {why} "
                 f"(--secret-file or MINIPIC_STORE_SECRET): checked all but the MAC")
         _verify_namespace(ns_dir, fields, mac_secret, remove, say, result)
+    if result.removed:
+        announce_removals(root)  # running engines forget these blocks and store them again
     return result
 
 
