@@ -59,7 +59,7 @@ def reference_attention(q_rot, k_rot, v, scale, prefix_len):
 @pytest.mark.parametrize("rope_kind", ["default", "llama3"])
 def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_kind):
     from minipic.attention import rope as rope_registry
-    from minipic.attention.torch_backend import TorchPositionFreeImpl, TorchPositionFreeMetadata
+    from minipic.attention.torch_backend import MiniPICTorchImpl, MiniPICTorchMetadata
 
     torch.manual_seed(0)
     num_heads, num_kv_heads = 8, 2
@@ -67,7 +67,7 @@ def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_k
     rope = make_rope(rope_kind, head_size, rotary_dim, is_neox)
     rope_registry.reset_rope()
     rope_registry.make_query_only(rope)
-    impl = TorchPositionFreeImpl(num_heads, head_size, head_size**-0.5, num_kv_heads,
+    impl = MiniPICTorchImpl(num_heads, head_size, head_size**-0.5, num_kv_heads,
                                  None, None, "auto")
     kv_cache = torch.zeros(NUM_BLOCKS, num_kv_heads, BLOCK_SIZE, 2 * head_size)
     # Each request owns scattered, non-contiguous blocks.
@@ -89,7 +89,7 @@ def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_k
 
     query = torch.cat(queries)
     output = torch.empty_like(query)
-    metadata = TorchPositionFreeMetadata(
+    metadata = MiniPICTorchMetadata(
         num_actual_tokens=query.shape[0], query_start_loc=query_start_loc,
         seq_lens=[p + n for p, n in MIXED_BATCH], block_table=block_table, block_size=BLOCK_SIZE)
     impl.forward(None, query, None, None, kv_cache, metadata, output)
@@ -114,9 +114,9 @@ def test_query_only_rope_leaves_k_unrotated(rope_kind):
 
 def test_cache_update_skips_unkept_slots_anywhere_in_the_batch():
     """A -1 slot in the middle must not shift the later keys into the wrong slots."""
-    from minipic.attention.torch_backend import TorchPositionFreeImpl, gather_request_kv
+    from minipic.attention.torch_backend import MiniPICTorchImpl, gather_request_kv
 
-    impl = TorchPositionFreeImpl(2, 64, 0.125, 1, None, None, "auto")
+    impl = MiniPICTorchImpl(2, 64, 0.125, 1, None, None, "auto")
     kv_cache = torch.zeros(2, 1, BLOCK_SIZE, 128)
     k, v = torch.randn(41, 1, 64), torch.randn(41, 1, 64)
     slots = torch.cat([torch.arange(20), torch.tensor([-1]), torch.arange(20, 40)])
@@ -128,11 +128,11 @@ def test_cache_update_skips_unkept_slots_anywhere_in_the_batch():
 
 def test_a_rope_over_part_of_each_head_is_refused_at_load():
     from minipic.attention import rope as rope_registry
-    from minipic.attention.torch_backend import TorchPositionFreeImpl, UnsupportedAttentionError
+    from minipic.attention.torch_backend import MiniPICTorchImpl, UnsupportedAttentionError
 
     rope_registry.reset_rope()
     rope_registry.make_query_only(make_rope("default", 32, 32, True))  # 32 of 96 dims
-    impl = TorchPositionFreeImpl(2, 96, 0.1, 1, None, None, "auto")
+    impl = MiniPICTorchImpl(2, 96, 0.1, 1, None, None, "auto")
     with pytest.raises(UnsupportedAttentionError, match="covers 32 of each head's 96"):
         impl.process_weights_after_loading(torch.float32)
     rope_registry.reset_rope()
@@ -142,13 +142,13 @@ def test_a_rope_over_part_of_each_head_is_refused_at_load():
 
 @pytest.mark.parametrize("feature", ["alibi", "sliding_window", "fp8"])
 def test_refuses_unsupported_layer_features(feature):
-    from minipic.attention.torch_backend import TorchPositionFreeImpl, UnsupportedAttentionError
+    from minipic.attention.torch_backend import MiniPICTorchImpl, UnsupportedAttentionError
 
     kwargs = dict(alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
     kwargs.update({"alibi": {"alibi_slopes": [0.5, 0.25]}, "sliding_window": {"sliding_window": 128},
                    "fp8": {"kv_cache_dtype": "fp8"}}[feature])
     with pytest.raises(UnsupportedAttentionError, match="does not support"):
-        TorchPositionFreeImpl(2, 64, 0.125, 1, **kwargs)
+        MiniPICTorchImpl(2, 64, 0.125, 1, **kwargs)
 
 
 def test_refuses_rope_with_its_own_position_math():
@@ -168,9 +168,9 @@ def test_a_layer_that_chose_a_stock_backend_is_refused():
 
     from minipic.attention.layer_check import (
         NotPositionFreeError, check_every_layer_is_position_free)
-    from minipic.attention.torch_backend import TorchPositionFreeBackend
+    from minipic.attention.torch_backend import MiniPICTorchBackend
 
-    ours = SimpleNamespace(attn_backend=TorchPositionFreeBackend)
+    ours = SimpleNamespace(attn_backend=MiniPICTorchBackend)
     check_every_layer_is_position_free({"layers.0.attn": ours, "layers.0.mlp": SimpleNamespace()})
     stock = SimpleNamespace(attn_backend=CPUAttentionBackend)
     with pytest.raises(NotPositionFreeError, match=r"layers\.1\.attn .*CPUAttentionBackend"):

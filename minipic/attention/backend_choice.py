@@ -8,9 +8,9 @@ def position_free_backend() -> type:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        from minipic.attention.torch_backend import TorchPositionFreeBackend
+        from minipic.attention.torch_backend import MiniPICTorchBackend
 
-        return TorchPositionFreeBackend
+        return MiniPICTorchBackend
     if current_platform.is_cuda():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

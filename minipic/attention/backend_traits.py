@@ -11,6 +11,10 @@ from __future__ import annotations
 from vllm.v1.attention.backend import AttentionType
 
 
+class UnsupportedAttentionError(NotImplementedError):
+    """A layer feature minipic's position-free attention does not implement (both backends)."""
+
+
 class PositionFreeTraits:
     """Mixed in first, before the vLLM backend class it refines."""
 

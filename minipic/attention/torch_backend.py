@@ -24,7 +24,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-from minipic.attention.backend_traits import PositionFreeTraits
+from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, turn_back_links
 from minipic.attention.rope import current_rope, head_mismatch
@@ -32,11 +32,7 @@ from minipic.attention.rotation import rotate
 from minipic.attention.segments import SpanLayout, current_layout, token_shifts, visible_keys
 
 
-class UnsupportedAttentionError(ValueError):
-    """A layer feature the position-free backend does not implement."""
-
-
-class TorchPositionFreeBackend(PositionFreeTraits, CPUAttentionBackend):
+class MiniPICTorchBackend(PositionFreeTraits, CPUAttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_kv_cache_dtypes = ["auto"]
 
@@ -45,16 +41,16 @@ class TorchPositionFreeBackend(PositionFreeTraits, CPUAttentionBackend):
         return []  # any head size: nothing here is specialised
 
     @staticmethod
-    def get_impl_cls() -> type["TorchPositionFreeImpl"]:
-        return TorchPositionFreeImpl
+    def get_impl_cls() -> type["MiniPICTorchImpl"]:
+        return MiniPICTorchImpl
 
     @staticmethod
-    def get_builder_cls() -> type["TorchPositionFreeMetadataBuilder"]:
-        return TorchPositionFreeMetadataBuilder
+    def get_builder_cls() -> type["MiniPICTorchMetadataBuilder"]:
+        return MiniPICTorchMetadataBuilder
 
 
 @dataclass
-class TorchPositionFreeMetadata:
+class MiniPICTorchMetadata:
     num_actual_tokens: int
     query_start_loc: list[int]  # host lists: the torch loop indexes per request
     seq_lens: list[int]
@@ -64,12 +60,12 @@ class TorchPositionFreeMetadata:
     token_shift: torch.Tensor | None = None  # [num_tokens] link shifts; None: all 0
 
 
-class TorchPositionFreeMetadataBuilder(AttentionMetadataBuilder[TorchPositionFreeMetadata]):
+class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> TorchPositionFreeMetadata:
+              fast_build: bool = False) -> MiniPICTorchMetadata:
         m = common_attn_metadata
         query_start_loc = m.query_start_loc.tolist()
         seq_lens = m.seq_lens[: m.num_reqs].tolist()
@@ -77,7 +73,7 @@ class TorchPositionFreeMetadataBuilder(AttentionMetadataBuilder[TorchPositionFre
         layout = current_layout(m.num_reqs, block_size)
         if layout is not None and layout.is_plain():
             layout = None
-        return TorchPositionFreeMetadata(
+        return MiniPICTorchMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -89,7 +85,7 @@ class TorchPositionFreeMetadataBuilder(AttentionMetadataBuilder[TorchPositionFre
         )
 
 
-class TorchPositionFreeImpl(AttentionImpl):
+class MiniPICTorchImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None,
                  kv_cache_dtype: str, logits_soft_cap: float | None = None,
@@ -126,7 +122,7 @@ class TorchPositionFreeImpl(AttentionImpl):
             raise UnsupportedAttentionError(problem)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: TorchPositionFreeMetadata | None,
+                kv_cache: torch.Tensor, attn_metadata: MiniPICTorchMetadata | None,
                 output: torch.Tensor, output_scale=None, output_block_scale=None,
                 **unused) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:

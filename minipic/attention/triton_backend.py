@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from minipic.attention.backend_traits import PositionFreeTraits
+from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.rope import current_rope, head_mismatch
 from minipic.attention.links import batch_metadata, turn_back_links
@@ -47,10 +47,6 @@ from minipic.attention.triton_kernel import (
 
 # Quantised caches would need dequantisation before the rotation: not implemented.
 _SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
-
-
-class UnsupportedAttentionError(NotImplementedError):
-    """A layer feature minipic's Triton attention does not implement."""
 
 
 class MiniPICTritonBackend(PositionFreeTraits, TritonAttentionBackend):
