@@ -88,13 +88,13 @@ def _mac(secret: bytes, body: bytes) -> bytes:
 
 
 def encode_header(namespace: bytes, key: bytes, payload, flags: int = 0,
-                  secret: bytes | None = None, digest: bytes | None = None) -> bytes:
+                  secret: bytes | None = None) -> bytes:
     """The header of a block file; authenticated when `secret` is given."""
     if len(key) > MAX_KEY_LEN:
         raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_LEN}")
     flags = (flags | FLAG_AUTHENTICATED) if secret else (flags & ~FLAG_AUTHENTICATED)
     body = _BODY.pack(MAGIC, VERSION, flags, len(key), 0, namespace, key, len(payload),
-                      digest if digest is not None else payload_digest(payload))
+                      payload_digest(payload))
     mac = _mac(secret, body) if secret else bytes(MAC_LEN)
     return body + _MAC_CRC.pack(mac, zlib.crc32(body + mac)) + bytes(_PAD)
 

@@ -10,6 +10,7 @@ every block header, so a file copied into the wrong directory is still caught.
 Layout under a store root (shared by replicas, possibly by several models):
 
     <root>/minipic-store.json                  marks the root as a minipic store
+    <root>/.evict.lock, <root>/.removals       one evictor at a time; grows when blocks go
     <root>/ns-<digest>/namespace.json          the fields below, in full
     <root>/ns-<digest>/blocks/ab/cd/<hash>_g<group>.kv
     <root>/ns-<digest>/stats/<process>.json    per-process counters (CLI sums them)

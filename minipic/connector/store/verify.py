@@ -63,7 +63,9 @@ def verify_store(root: str | os.PathLike, *, secret: bytes | None = None, remove
             problem = "namespace.json gives no payload_bytes"
         if problem is not None:
             result.bad_namespaces += 1
-            say(f"bad namespace: {ns_dir}: {problem}; no engine loads its blocks")
+            consequence = "its blocks are not checked" if fields is None \
+                else "no engine loads its blocks"
+            say(f"bad namespace: {ns_dir}: {problem}; {consequence}")
             continue
         # Engines with the secret read only folders named after it (secret.py), so a MAC is
         # checked exactly where one is expected.
