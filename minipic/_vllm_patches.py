@@ -27,6 +27,16 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 | v1.engine.input_processor.InputProcessor         | front end   | refuse generating from a prompt that  |
 |   .process_inputs (+ process_inputs_async, its   | (API / LLM) | ends inside an SSep span, unless the  |
 |   wrapper made per instance)                     |             | request opts in (HTTP 400)            |
+| entrypoints.launchers.api_server.routers         | API server  | add GET /minipic/v1/settings (block   |
+|   .register_api_routers (+ its copies in         |             | size, markers, recipe for clients);   |
+|   launchers.app and openai.api_server)           |             | install the chat hook below, only in  |
+|                                                  |             | the API server process                |
+| entrypoints.openai.chat_completion.serving       | API server  | render a chat request's `documents`   |
+|   .OpenAIServingChat.render_chat_request         |             | as a span prompt (serving/            |
+|   (installed by the row above)                   |             | chat_documents.py)                    |
+
+The last two are 0.32-only names: on a vLLM without them (0.25.1) minipic logs
+that the settings route and chat `documents` are off, and loads.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import logging
 from typing import Any, Callable
 
 from minipic.config import (CONFIG_KEY, CONNECTOR_NAME, check_option_keys, is_enabled,
-                            span_protocol_of)
+                            server_recipe, span_protocol_of)
 from minipic.hashing.block_hasher import check_hash_algo
 from minipic.marker_checks import check_markers_fit_model
 from minipic.protocol import MisplacedMarkerError, SpanProtocol
@@ -66,6 +76,7 @@ def apply_all() -> None:
     _patch_model_runner_v2()
     _patch_prompt_validation()
     _patch_prompt_end_check()
+    _patch_api_routers()
 
 
 def _warn_if_unchecked_version() -> None:
@@ -115,6 +126,7 @@ def _prepare_config(vllm_config: Any) -> SpanProtocol:
     check_supported(vllm_config)
     check_hash_algo(vllm_config.cache_config.prefix_caching_hash_algo)
     _check_connector_options(vllm_config)
+    server_recipe(vllm_config)  # a bad `recipe` option fails at start-up, not per request
     protocol = span_protocol_of(vllm_config)
     check_markers_fit_model(protocol, vllm_config)
     if not isinstance(vllm_config.additional_config, dict):
@@ -322,3 +334,76 @@ def _protocol_of(processor: Any) -> SpanProtocol | None:
     config = processor.vllm_config
     processor._minipic_protocol = span_protocol_of(config) if is_enabled(config) else None
     return processor._minipic_protocol
+
+
+def _patch_api_routers() -> None:
+    """Hook the API server's app building: it runs in that process only, so the chat
+    serving module is imported there and not in every engine and worker process."""
+    try:
+        from vllm.entrypoints.launchers import app as launcher_app
+        from vllm.entrypoints.launchers.api_server import routers
+    except ImportError:
+        logger.info("minipic: this vLLM has no entrypoints.launchers; GET /minipic/v1/settings "
+                    "and chat `documents` as spans are off")
+        return
+    import sys
+
+    def make(original):
+        def register_api_routers(args, app, *rest, **kwargs):
+            original(args, app, *rest, **kwargs)
+            from minipic.serving.settings_route import attach_settings_route
+
+            attach_settings_route(app)
+            _patch_chat_documents()
+        return register_api_routers
+
+    # openai.api_server re-exports it; patch that copy only if already imported.
+    also_in = tuple(m for m in (launcher_app, sys.modules.get("vllm.entrypoints.openai.api_server"))
+                    if m is not None)
+    _wrap(routers, "register_api_routers", make, also_in=also_in)
+
+
+def _patch_chat_documents() -> None:
+    try:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    except ImportError:
+        OpenAIServingChat = None
+    if not hasattr(OpenAIServingChat, "render_chat_request"):
+        logger.info("minipic: this vLLM has no OpenAIServingChat.render_chat_request; chat "
+                    "`documents` are left to the chat template")
+        return
+
+    def make(original):
+        async def render_chat_request(self, request, *args, **kwargs):
+            settings = _chat_documents_settings(self) if getattr(request, "documents", None) \
+                else None
+            if settings is None:
+                return await original(self, request, *args, **kwargs)
+            from minipic.serving.chat_documents import (DocumentsRequestError,
+                                                        render_chat_with_documents)
+
+            try:
+                return await render_chat_with_documents(
+                    request, lambda r: original(self, r, *args, **kwargs), **settings)
+            except DocumentsRequestError as e:
+                return self.create_error_response(e)
+        return render_chat_request
+
+    _wrap(OpenAIServingChat, "render_chat_request", make)
+
+
+def _chat_documents_settings(serving: Any) -> dict[str, Any] | None:
+    """What the chat hook needs from this server, resolved once (None: minipic off)."""
+    try:
+        return serving._minipic_chat_settings
+    except AttributeError:
+        pass
+    config = getattr(serving.engine_client, "vllm_config", None)
+    settings = None
+    if config is not None and is_enabled(config):
+        settings = dict(tokenizer=serving.renderer.tokenizer, protocol=span_protocol_of(config),
+                        block_size=config.cache_config.block_size,
+                        max_model_len=config.model_config.max_model_len,
+                        server_recipe=server_recipe(config))
+    serving._minipic_chat_settings = settings
+    return settings

@@ -13,7 +13,9 @@ Options (all optional): the span protocol's marker ids `ssep_token_id`,
 `pdep_token_id`, `pad_token_id`, ... (default: the tokenizer's reserved special
 tokens), `enabled` (false turns an `additional_config` section off),
 `mask_markers` (true: marker and padding keys are hidden from every query but
-their own; see docs/accuracy.md for what it does to answers). Any other
+their own; see docs/accuracy.md for what it does to answers), `recipe` (the
+span prompt the API server builds from a chat request's `documents`: "epic",
+the default, or "block_attention"; see minipic/serving/chat_documents.py). Any other
 key in the `additional_config` section is refused at start-up (a typo would
 otherwise silently leave a default in force).
 """
@@ -31,7 +33,11 @@ CONNECTOR_NAME = "MiniPICConnector"
 # Every key minipic reads from its additional_config section, in one place: the
 # span protocol's fields (so a marker added there is allowed here) and the switch.
 ENGINE_OPTION_KEYS = frozenset(
-    {"enabled", "mask_markers", *(field.name for field in dataclasses.fields(SpanProtocol))})
+    {"enabled", "mask_markers", "recipe",
+     *(field.name for field in dataclasses.fields(SpanProtocol))})
+
+# Span prompts the API server can build from chat `documents` (option `recipe`).
+SERVER_RECIPES = ("epic", "block_attention")
 
 
 class UnknownOptionError(ValueError):
@@ -92,3 +98,17 @@ def mask_markers(vllm_config: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{CONFIG_KEY}.mask_markers must be true or false, got {value!r}")
     return value
+
+
+def check_recipe(value: Any, where: str) -> str:
+    """One of SERVER_RECIPES; `where` names the option or request field for the message."""
+    if value not in SERVER_RECIPES:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, SERVER_RECIPES))}, "
+                         f"got {value!r}")
+    return value
+
+
+def server_recipe(vllm_config: Any) -> str:
+    """The recipe for chat `documents` when a request names none (option `recipe`)."""
+    value = (minipic_options(vllm_config) or {}).get("recipe", "epic")
+    return check_recipe(value, f"{CONFIG_KEY}.recipe")

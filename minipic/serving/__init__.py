@@ -1,0 +1,5 @@
+"""API server side of minipic: span prompts the server builds itself, and its settings route.
+
+Runs in vLLM's OpenAI API server process (the front end), through the patches in
+minipic/_vllm_patches.py; nothing here runs in the engine core or workers.
+"""
