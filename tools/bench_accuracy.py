@@ -47,9 +47,14 @@ _SENTINEL = "\x00USER\x00"
 
 def _prompt_cache(docs, task, *, protocol, block_size, system=None, tokenizer=None):
     """Prompt Cache with the recipes' signature: the system text and every document a
-    module (an SSep span, reused anywhere), the task free text."""
+    module (an SSep span, reused anywhere), the task free text. PromptCache starts
+    every prompt with a [BOS + pad] block; SmolLM2's BOS is the chat template's
+    first <|im_start|>, so the system module leaves it out (no second one)."""
     names = [f"doc{i}" for i in range(len(docs))]
-    modules = {"system": system, **dict(zip(names, docs))}
+    system_tokens = tokenizer.encode(system, add_special_tokens=False)
+    if system_tokens[:1] == [tokenizer.bos_token_id]:
+        system_tokens = system_tokens[1:]
+    modules = {"system": system_tokens, **dict(zip(names, docs))}
     cache = PromptCache(modules, protocol=protocol, block_size=block_size, tokenizer=tokenizer)
     return cache.prompt("system", *names, Text(task))
 

@@ -1,0 +1,98 @@
+"""tools/bench_accuracy.py's pieces: scoring, prompt layout, options (no engine), and one
+small run of the tool on a real engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import bench_accuracy  # noqa: E402
+
+
+def test_wilson_interval():
+    lo, hi = bench_accuracy.wilson(80, 100)
+    assert lo == pytest.approx(0.7112, abs=1e-3) and hi == pytest.approx(0.8666, abs=1e-3)
+    assert bench_accuracy.wilson(0, 10)[0] == 0.0 and bench_accuracy.wilson(10, 10)[1] == 1.0
+    assert bench_accuracy.wilson(0, 0) == (0.0, 1.0)
+
+
+def test_topk_kl_is_zero_for_the_same_distribution_and_grows_with_difference():
+    p = {1: math.log(0.7), 2: math.log(0.2), 3: math.log(0.05)}
+    assert bench_accuracy.topk_kl(p, p) == pytest.approx(0.0, abs=1e-12)
+    q_near = {1: math.log(0.6), 2: math.log(0.3), 3: math.log(0.05)}
+    q_far = {2: math.log(0.7), 3: math.log(0.2), 4: math.log(0.05)}  # token 1 missing
+    assert 0 < bench_accuracy.topk_kl(p, q_near) < bench_accuracy.topk_kl(p, q_far)
+    exact = sum(pi * math.log(pi / qi) for pi, qi in [(0.7, 0.6), (0.2, 0.3), (0.05, 0.05)])
+    assert bench_accuracy.topk_kl(p, q_near) == pytest.approx(exact, abs=1e-9)  # same rest
+
+
+def test_rank_correct_needs_a_strict_winner():
+    assert bench_accuracy.rank_correct([-3.0, -1.0, -2.0], 1)
+    assert not bench_accuracy.rank_correct([-1.0, -1.0, -2.0], 1)  # a tie is a miss
+    assert not bench_accuracy.rank_correct([-0.5, -1.0], 1)
+
+
+def test_doc_region_counts_markers_and_padding_as_document_tokens():
+    ssep, pdep, pad = 3, 4, 5
+    final = [1, 9, pad, pad, ssep, 20, 21, pad, ssep, 30, pad, pad, pdep, 40, 41]
+    header, docs = bench_accuracy.doc_region(final, [20, 21], task_len=3,
+                                             markers=frozenset({ssep, pdep}))
+    assert (header, docs) == (4, 8)
+    with pytest.raises(ValueError, match="first document"):
+        bench_accuracy.doc_region(final, [77], 3, frozenset({ssep, pdep}))
+
+
+def test_minipic_options_are_parsed_as_json_values():
+    assert bench_accuracy.parse_options(["mask_markers=true", "n=3", "name=x"]) == {
+        "mask_markers": True, "n": 3, "name": "x"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench_accuracy.parse_options(["mask_markers"])
+
+
+def test_unknown_method_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench_accuracy.parse_args(["--methods", "stock,nope", "--model", "/m"])
+    assert "unknown method" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", ["block_attention", "prompt_cache"])
+def test_span_prompt_is_the_stock_prompt_plus_markers_and_padding(smollm2_model, method):
+    """Stock and a span recipe see the same text: only markers and padding differ."""
+    from transformers import AutoTokenizer
+
+    from minipic.devtools.smollm2 import smollm2_protocol
+    from minipic.devtools.synthetic_qa import make_questions
+    from minipic.protocol import SpanProtocol
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_model)
+    protocol = SpanProtocol.from_dict(smollm2_protocol())
+    q = make_questions(1)[0]
+    stock = bench_accuracy.build_prompt("stock", None, q, tokenizer, protocol, 32)
+    span = bench_accuracy.build_prompt(method, bench_accuracy.METHODS[method], q, tokenizer,
+                                       protocol, 32)
+    noise = {protocol.ssep_token_id, protocol.pdep_token_id, protocol.pad_token_id}
+    assert [t for t in span["final"] if t not in noise] == stock["final"]
+    assert span["header_len"] % 32 == 0 and span["doc_len"] >= stock["doc_len"]
+    assert tokenizer.decode(stock["final"]).endswith(q.answer_prefix)
+
+
+@pytest.mark.engine
+@pytest.mark.real_model
+def test_tool_runs_and_gets_the_hits_it_expects(smollm2_model, tmp_path):
+    """Two questions through a real minipic engine: files written, every final prompt
+    cached exactly as SpanPrompt.expected_cached_tokens says."""
+    subprocess.run([sys.executable, str(REPO / "tools" / "bench_accuracy.py"), "--questions",
+                    "2", "--methods", "block_attention", "--out", str(tmp_path), "--model",
+                    smollm2_model], check=True, timeout=600)
+    summary = json.loads((tmp_path / "accuracy-2.json").read_text())["methods"]
+    assert summary["block_attention"]["cached_equals_expected"] == [2, 2]
+    assert summary["block_attention"]["doc_cache_fraction"] == 1.0
+    assert (tmp_path / "accuracy-2.md").read_text().startswith("# Accuracy: 2 questions")
