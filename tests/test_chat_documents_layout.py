@@ -1,0 +1,85 @@
+"""Chat `documents` as spans without a server: the layout, the refusals, the `recipe`
+option at start-up, and a vLLM without the API-server hook points (0.25.1) still loading.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+from conftest import start_llm
+
+from minipic.client import epic
+from minipic.protocol import SpanProtocol
+from minipic.serving.chat_documents import (
+    DocumentsRequestError, build_chat_span_prompt, document_texts, request_recipe,
+)
+
+PROTOCOL = SpanProtocol(ssep_token_id=3, pdep_token_id=4, pad_token_id=5, link_token_id=6)
+
+
+class WordTokenizer:
+    """Words to ids 100+ (ids 3..6, the markers, spelled as <3> .. <6>)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [int(w[1:-1]) if w.startswith("<") else 100 + len(w) for w in text.split()]
+
+
+def test_layout_is_header_spans_links_task():
+    header, task = [1, 7, 8], [9, 10, 11]
+    prompt = build_chat_span_prompt(header, header + task, ["a bb", "ccc"],
+                                    tokenizer=WordTokenizer(), protocol=PROTOCOL, block_size=4,
+                                    recipe="epic")
+    assert prompt.final == epic([[101, 102], [103]], task, system=header, protocol=PROTOCOL,
+                                block_size=4).final
+    assert prompt.final[:12] == [1, 7, 8, 5, 3, 101, 102, 5, 3, 103, 5, 5]
+
+
+def test_header_that_is_not_a_prefix_is_refused():
+    with pytest.raises(DocumentsRequestError, match="cannot place documents"):
+        build_chat_span_prompt([1, 7], [1, 8, 9], ["a"], tokenizer=WordTokenizer(),
+                               protocol=PROTOCOL, block_size=4, recipe="epic")
+
+
+def test_document_that_spells_a_marker_is_refused():
+    with pytest.raises(DocumentsRequestError, match="documents.1. contains the SSep marker"):
+        build_chat_span_prompt([], [9], ["a", "b <3>"], tokenizer=WordTokenizer(),
+                               protocol=PROTOCOL, block_size=4, recipe="block_attention")
+
+
+def test_document_texts():
+    assert document_texts([{"text": "x"}, {"title": "t", "text": "y"}]) == ["x", "t\ny"]
+    for bad, reason in [([], "non-empty list"), ([{"text": "  "}], "no text"),
+                        ([{"text": "x", "title": 3}], "title"), (["x"], "must be an object")]:
+        with pytest.raises(DocumentsRequestError, match=reason):
+            document_texts(bad)
+
+
+def test_request_recipe_override_and_default():
+    assert request_recipe(None, "epic") == "epic"
+    assert request_recipe({"minipic_recipe": "block_attention"}, "epic") == "block_attention"
+    with pytest.raises(DocumentsRequestError, match="minipic_recipe"):
+        request_recipe({"minipic_recipe": "x"}, "epic")
+
+
+def test_bad_recipe_option_is_refused_at_start(tiny_model):
+    with pytest.raises(ValueError, match="minipic.recipe must be one of 'epic', 'block_attention'"):
+        start_llm(tiny_model, additional_config={"minipic": {"recipe": "blockattention"}})
+
+
+@pytest.mark.parametrize("missing", ["vllm.entrypoints.launchers",
+                                     "vllm.entrypoints.openai.chat_completion.serving"])
+def test_vllm_without_the_hook_points_logs_and_loads(monkeypatch, caplog, missing):
+    """vLLM 0.25.1 lays its API server out differently: the feature is off, the plugin loads."""
+    from minipic import _vllm_patches
+
+    monkeypatch.setitem(sys.modules, missing, None)  # its import raises ImportError
+    caplog.set_level(logging.INFO, logger="vllm.minipic")
+    logger = logging.getLogger("vllm.minipic")
+    monkeypatch.setattr(logger, "propagate", True)
+    if missing.endswith("serving"):
+        _vllm_patches._patch_chat_documents()
+    else:
+        _vllm_patches._patch_api_routers()
+    assert "chat `documents`" in caplog.text
