@@ -1,9 +1,10 @@
 """`minipic-preload CORPUS`: prefill a corpus's spans so later prompts hit them.
 
 Against a running server (OpenAI API; start it with minipic on and with
---enable-prompt-tokens-details, so that hits are visible):
+--enable-prompt-tokens-details, so that hits are visible); the block size and
+markers come from the server, and a server without minipic is refused:
 
-    minipic-preload corpus/ --url http://localhost:8000 --block-size 16
+    minipic-preload corpus/ --url http://localhost:8000
 
 In process, into a MiniPICConnector span store that servers then read:
 
@@ -52,13 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--url", help="a running vLLM server (OpenAI-compatible)")
     engine.add_argument("--model", help="with --url: the served model name (default: the "
                         "server's first); without: the model to load in-process")
-    engine.add_argument("--block-size", type=int, help="the engine's KV block size (required "
-                        "with --url: a server does not publish it)")
+    engine.add_argument("--block-size", type=int, help="the engine's KV block size (with --url: "
+                        "read from the server; given, it must agree)")
     engine.add_argument("--tokenizer", help="with --url: tokenizer to load (default: the model)")
     engine.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="with --url: the server's API key (default: $OPENAI_API_KEY)")
     engine.add_argument("--span-protocol", type=_json_arg, help="with --url: marker ids as "
-                        "JSON, when the server's minipic config names them")
+                        "JSON (read from the server; given, they must agree)")
+    engine.add_argument("--trust-server", action="store_true", help="with --url: do not ask "
+                        "the server for its minipic settings (vLLM 0.25.1 servers have no such "
+                        "route); needs --block-size")
     engine.add_argument("--connector-config", type=_json_arg,
                         help="in-process: MiniPICConnector's extra config, JSON or a JSON file, "
                         "e.g. '{\"store_dir\": \"/data/spans\"}'")
@@ -93,8 +97,8 @@ def _json_arg(value: str) -> Any:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.url:
-        if args.block_size is None:
-            parser.error("--url needs --block-size: the server's KV block size (its "
+        if args.trust_server and args.block_size is None:
+            parser.error("--trust-server needs --block-size: the server's KV block size (its "
                          "--block-size; 16 by default on GPU)")
         if args.connector_config is not None or args.engine_args:
             parser.error("--connector-config and --engine-args are for in-process runs, "
@@ -117,7 +121,7 @@ async def _backend(args: argparse.Namespace) -> Any:
         protocol = SpanProtocol.from_dict(args.span_protocol) if args.span_protocol else None
         return await OpenAIServerBackend.connect(
             args.url, model=args.model, api_key=args.api_key, block_size=args.block_size,
-            tokenizer=args.tokenizer, protocol=protocol)
+            tokenizer=args.tokenizer, protocol=protocol, trust_server=args.trust_server)
     from minipic.client.backends.in_process import AsyncLLMBackend
 
     engine_args = dict(args.engine_args)

@@ -1,6 +1,6 @@
 """A span-aware RAG client: system prompt + documents + question -> an answer from cached spans.
 
-    backend = AsyncLLMBackend(async_llm)  # or await OpenAIServerBackend.connect(url, block_size=16)
+    backend = AsyncLLMBackend(async_llm)  # or await OpenAIServerBackend.connect(url)
     client = RagClient(backend, system="Answer from the documents.",
                        manifest=Manifest.read("minipic-manifest.parquet"))
     answer = await client.ask("Who wrote it?", [DocRef("books/tale.md"), "retrieved text ..."])

@@ -9,7 +9,8 @@ from minipic.client.preload import main
 
 @pytest.mark.parametrize("argv, message", [
     (["corpus"], "give --url"),
-    (["corpus", "--url", "http://localhost:8000"], "--block-size"),
+    (["corpus", "--url", "http://localhost:8000", "--trust-server"],
+     "--trust-server needs --block-size"),
     (["corpus", "--url", "http://x", "--block-size", "16", "--connector-config", "{}"],
      "in-process runs"),
     (["corpus", "--model", "m"], "store_dir"),

@@ -41,9 +41,10 @@ def manifest(url, tmp_path_factory):
     return tmp_path_factory.mktemp("preload") / "manifest.parquet"
 
 
-def preload_cli(url, manifest):
-    return main([str(EXAMPLES), "--url", url, "--block-size", str(BLOCK_SIZE), "--manifest",
-                 str(manifest), "--id-field", "id", "--no-progress"])
+def preload_cli(url, manifest, *more):
+    """No --block-size: the block size and markers come from the server."""
+    return main([str(EXAMPLES), "--url", url, "--manifest", str(manifest), "--id-field", "id",
+                 "--no-progress", *more])
 
 
 def test_preload_over_the_server_then_again(url, manifest, capfd):
@@ -59,7 +60,7 @@ def test_preload_over_the_server_then_again(url, manifest, capfd):
 
 def test_rag_client_over_the_server(url, manifest):
     async def ask():
-        backend = await OpenAIServerBackend.connect(url, block_size=BLOCK_SIZE)
+        backend = await OpenAIServerBackend.connect(url)  # the server's block size
         try:
             client = RagClient(backend, system="you are a helpful assistant .",
                                manifest=Manifest.read(manifest), max_tokens=4)
@@ -103,3 +104,22 @@ def test_isps_over_the_server(url):
     assert [r.ok for r in results] == [True, True, False, True, True]
     for r in results[:2] + results[3:]:
         assert r.cached_tokens == r.expected_cached_tokens > 0
+
+
+def test_a_block_size_that_disagrees_with_the_server_is_refused(url, tmp_path, capfd):
+    assert preload_cli(url, tmp_path / "m.parquet", "--block-size", "16") == 2
+    assert "the server runs with KV blocks of 32 tokens" in capfd.readouterr().err
+    assert not (tmp_path / "m.parquet").exists()
+
+    async def connect():
+        from minipic.client.backends.server_settings import SettingsDisagreeError
+
+        with pytest.raises(SettingsDisagreeError, match="blocks of 32 tokens"):
+            await OpenAIServerBackend.connect(url, block_size=16)
+        backend = await OpenAIServerBackend.connect(url, block_size=BLOCK_SIZE)  # agrees
+        assert backend.block_size == BLOCK_SIZE
+        assert backend.span_protocol().to_dict() == {
+            "ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5, "link_token_id": 6}
+        await backend.close()
+
+    asyncio.run(connect())

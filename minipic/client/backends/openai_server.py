@@ -6,9 +6,12 @@ back in `usage.prompt_tokens_details.cached_tokens`, which vLLM only fills
 when started with `--enable-prompt-tokens-details`; without it the tools
 still work but cannot tell hits from misses.
 
-The server does not publish its KV block size: pass the one it runs with
-(`--block-size`, 16 by default on GPU). The tokenizer is loaded locally
-(transformers) from `tokenizer`, or else from the served model's name.
+`connect` reads the server's KV block size and span protocol from minipic's
+GET /minipic/v1/settings (server_settings.py) and refuses a server without
+minipic, which would store no span; a block size or protocol given here must
+agree with the server's. `trust_server=True` skips the check (vLLM 0.25.1
+servers have no settings route) and then needs the block size. The tokenizer is
+loaded locally (transformers) from `tokenizer`, or else from the served model's name.
 """
 
 from __future__ import annotations
@@ -40,10 +43,17 @@ class OpenAIServerBackend:
     @classmethod
     async def connect(cls, url: str, *, model: str | None = None, api_key: str | None = None,
                       block_size: int | None = None, tokenizer: str | None = None,
-                      protocol: SpanProtocol | None = None,
+                      protocol: SpanProtocol | None = None, trust_server: bool = False,
                       timeout_s: float = 600.0) -> "OpenAIServerBackend":
         """`model` defaults to the server's first (usually only) served model."""
         import openai
+
+        from minipic.client.backends.server_settings import fetch_server_settings
+
+        if not trust_server:
+            settings = await fetch_server_settings(url, api_key)
+            settings.check_overrides(block_size, protocol)
+            block_size, protocol = settings.block_size, settings.protocol
 
         client = openai.AsyncOpenAI(base_url=_api_base(url), api_key=api_key or "EMPTY",
                                     timeout=timeout_s)
