@@ -34,8 +34,11 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 | entrypoints.openai.chat_completion.serving       | API server  | render a chat request's `documents`   |
 |   .OpenAIServingChat.render_chat_request         |             | as a span prompt (serving/            |
 |   (installed by the row above)                   |             | chat_documents.py)                    |
+| entrypoints.openai.completion.serving            | API server  | same for completions with             |
+|   .OpenAIServingCompletion                       |             | vllm_xargs.minipic_documents          |
+|   .render_completion_request (installed above)   |             | (serving/completion_documents.py)     |
 
-The last two are 0.32-only names: on a vLLM without them (0.25.1) minipic logs
+The last three are 0.32-only names: on a vLLM without them (0.25.1) minipic logs
 that the settings route and chat `documents` are off, and loads.
 """
 
@@ -355,6 +358,7 @@ def _patch_api_routers() -> None:
 
             attach_settings_route(app)
             _patch_chat_documents()
+            _patch_completion_documents()
         return register_api_routers
 
     # openai.api_server re-exports it; patch that copy only if already imported.
@@ -375,7 +379,7 @@ def _patch_chat_documents() -> None:
 
     def make(original):
         async def render_chat_request(self, request, *args, **kwargs):
-            settings = _chat_documents_settings(self) if getattr(request, "documents", None) \
+            settings = _documents_settings(self) if getattr(request, "documents", None) \
                 else None
             if settings is None:
                 return await original(self, request, *args, **kwargs)
@@ -392,7 +396,37 @@ def _patch_chat_documents() -> None:
     _wrap(OpenAIServingChat, "render_chat_request", make)
 
 
-def _chat_documents_settings(serving: Any) -> dict[str, Any] | None:
+def _patch_completion_documents() -> None:
+    try:
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    except ImportError:
+        OpenAIServingCompletion = None
+    if not hasattr(OpenAIServingCompletion, "render_completion_request"):
+        logger.info("minipic: this vLLM has no OpenAIServingCompletion.render_completion_request;"
+                    " completions with vllm_xargs.minipic_documents are plain completions")
+        return
+
+    def make(original):
+        async def render_completion_request(self, request, *args, **kwargs):
+            from minipic.serving.completion_documents import (
+                render_completion_with_documents, wants_documents)
+
+            settings = _documents_settings(self) if wants_documents(request) else None
+            if settings is None:
+                return await original(self, request, *args, **kwargs)
+            from minipic.serving.chat_documents import DocumentsRequestError
+
+            try:
+                return await render_completion_with_documents(
+                    request, lambda r: original(self, r, *args, **kwargs), **settings)
+            except DocumentsRequestError as e:
+                return self.create_error_response(e)
+        return render_completion_request
+
+    _wrap(OpenAIServingCompletion, "render_completion_request", make)
+
+
+def _documents_settings(serving: Any) -> dict[str, Any] | None:
     """What the chat hook needs from this server, resolved once (None: minipic off)."""
     try:
         return serving._minipic_chat_settings

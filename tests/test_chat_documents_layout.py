@@ -13,7 +13,7 @@ from conftest import start_llm
 from minipic.client import epic
 from minipic.protocol import SpanProtocol
 from minipic.serving.chat_documents import (
-    DocumentsRequestError, build_chat_span_prompt, document_texts, request_recipe,
+    DocumentsRequestError, build_span_prompt, document_texts, request_recipe,
 )
 
 PROTOCOL = SpanProtocol(ssep_token_id=3, pdep_token_id=4, pad_token_id=5, link_token_id=6)
@@ -28,7 +28,7 @@ class WordTokenizer:
 
 def test_layout_is_header_spans_links_task():
     header, task = [1, 7, 8], [9, 10, 11]
-    prompt = build_chat_span_prompt(header, header + task, ["a bb", "ccc"],
+    prompt = build_span_prompt(header, header + task, ["a bb", "ccc"],
                                     tokenizer=WordTokenizer(), protocol=PROTOCOL, block_size=4,
                                     recipe="epic")
     assert prompt.final == epic([[101, 102], [103]], task, system=header, protocol=PROTOCOL,
@@ -38,13 +38,13 @@ def test_layout_is_header_spans_links_task():
 
 def test_header_that_is_not_a_prefix_is_refused():
     with pytest.raises(DocumentsRequestError, match="cannot place documents"):
-        build_chat_span_prompt([1, 7], [1, 8, 9], ["a"], tokenizer=WordTokenizer(),
+        build_span_prompt([1, 7], [1, 8, 9], ["a"], tokenizer=WordTokenizer(),
                                protocol=PROTOCOL, block_size=4, recipe="epic")
 
 
 def test_document_that_spells_a_marker_is_refused():
     with pytest.raises(DocumentsRequestError, match="documents.1. contains the SSep marker"):
-        build_chat_span_prompt([], [9], ["a", "b <3>"], tokenizer=WordTokenizer(),
+        build_span_prompt([], [9], ["a", "b <3>"], tokenizer=WordTokenizer(),
                                protocol=PROTOCOL, block_size=4, recipe="block_attention")
 
 
@@ -68,18 +68,19 @@ def test_bad_recipe_option_is_refused_at_start(tiny_model):
         start_llm(tiny_model, additional_config={"minipic": {"recipe": "blockattention"}})
 
 
-@pytest.mark.parametrize("missing", ["vllm.entrypoints.launchers",
-                                     "vllm.entrypoints.openai.chat_completion.serving"])
-def test_vllm_without_the_hook_points_logs_and_loads(monkeypatch, caplog, missing):
+@pytest.mark.parametrize("missing, patch, logged", [
+    ("vllm.entrypoints.launchers", "_patch_api_routers", "chat `documents`"),
+    ("vllm.entrypoints.openai.chat_completion.serving", "_patch_chat_documents",
+     "chat `documents`"),
+    ("vllm.entrypoints.openai.completion.serving", "_patch_completion_documents",
+     "minipic_documents"),
+])
+def test_vllm_without_the_hook_points_logs_and_loads(monkeypatch, caplog, missing, patch, logged):
     """vLLM 0.25.1 lays its API server out differently: the feature is off, the plugin loads."""
     from minipic import _vllm_patches
 
     monkeypatch.setitem(sys.modules, missing, None)  # its import raises ImportError
     caplog.set_level(logging.INFO, logger="vllm.minipic")
-    logger = logging.getLogger("vllm.minipic")
-    monkeypatch.setattr(logger, "propagate", True)
-    if missing.endswith("serving"):
-        _vllm_patches._patch_chat_documents()
-    else:
-        _vllm_patches._patch_api_routers()
-    assert "chat `documents`" in caplog.text
+    monkeypatch.setattr(logging.getLogger("vllm.minipic"), "propagate", True)
+    getattr(_vllm_patches, patch)()
+    assert logged in caplog.text

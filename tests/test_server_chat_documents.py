@@ -188,3 +188,34 @@ def test_settings_route_publishes_block_size_and_markers(server):
     assert settings["span_protocol"] == PROTOCOL.to_dict()
     assert settings["recipe"] == "epic"
     assert settings["max_model_len"] == MAX_MODEL_LEN
+
+
+def complete(client, prompt, xargs):
+    model = client.models.list().data[0].id
+    return client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                      extra_body={"vllm_xargs": xargs, "return_token_ids": True})
+
+
+def test_completions_take_documents_in_vllm_xargs(client, tokenizer):
+    prompt = "question : who was born in rome ? answer :"
+    system = "you are a helpful assistant"
+    texts = [DOC_A["text"], "rome is the capital of italy . " * 5]
+    responses = [complete(client, prompt, {"minipic_documents": docs, "minipic_system": system})
+                 for docs in (texts, texts[::-1])]
+    ids = tokenizer.encode(prompt)  # as vLLM tokenizes a completion prompt
+    lead = ids[:1] if ids[:1] == [tokenizer.bos_token_id] else []
+    header = lead + tokenizer.encode(system, add_special_tokens=False)
+    expected = epic([tokenizer.encode(t, add_special_tokens=False) for t in texts[::-1]],
+                    ids[len(lead):], system=header, protocol=PROTOCOL, block_size=BLOCK_SIZE)
+    assert responses[1].choices[0].prompt_token_ids == expected.final
+    assert cached(responses[1]) == expected.expected_cached_tokens > 2 * BLOCK_SIZE
+
+
+def test_completions_with_bad_documents_are_a_400(client):
+    for xargs, reason in [({"minipic_documents": []}, "non-empty list"),
+                          ({"minipic_documents": ["paris", 3]}, "minipic_documents[1]"),
+                          ({"minipic_documents": ["paris"], "minipic_recipe": "x"},
+                           "minipic_recipe")]:
+        with pytest.raises(openai.BadRequestError) as error:
+            complete(client, "what ?", xargs)
+        assert reason in error.value.message

@@ -67,22 +67,23 @@ def request_recipe(vllm_xargs: Mapping[str, Any] | None, server_default: str) ->
         raise DocumentsRequestError(str(e)) from None
 
 
-def build_chat_span_prompt(header: Sequence[int], whole: Sequence[int], texts: Sequence[str], *,
-                           tokenizer: Any, protocol: SpanProtocol, block_size: int,
-                           recipe: str) -> SpanPrompt:
-    """The span prompt for a conversation rendered twice by vLLM: `whole` (every message,
-    generation prompt included) and `header` (its leading system messages alone)."""
+def build_span_prompt(header: Sequence[int], whole: Sequence[int], texts: Sequence[str], *,
+                      tokenizer: Any, protocol: SpanProtocol, block_size: int,
+                      recipe: str) -> SpanPrompt:
+    """The span prompt for a prompt vLLM rendered as `whole` whose first tokens, `header`,
+    come before the documents (for chat: the leading system messages rendered alone)."""
     header, whole = list(header), list(whole)
     if whole[:len(header)] != header:
         raise DocumentsRequestError(
             "the chat template renders the system messages differently on their own than at "
             "the start of the conversation, so minipic cannot place documents after them")
+    task = whole[len(header):]
     bodies = [_document_tokens(text, tokenizer, protocol, f"documents[{i}]")
               for i, text in enumerate(texts)]
     builder = epic if recipe == "epic" else block_attention
-    # Token ids, not text, and no tokenizer: the chat template already chose the BOS.
+    # Token ids, not text, and no tokenizer: vLLM's rendering already chose the BOS.
     try:
-        return builder(bodies, whole[len(header):], system=header or None, protocol=protocol,
+        return builder(bodies, task, system=header or None, protocol=protocol,
                        block_size=block_size)
     except SpanPromptError as e:
         raise DocumentsRequestError(str(e)) from None
@@ -130,23 +131,27 @@ async def render_chat_with_documents(request: Any, render: Render, *, tokenizer:
     if not isinstance(whole, tuple):
         return whole  # vLLM's own refusal (bad model name, tool choice, template, ...)
     conversation, engine_inputs = whole
-    engine_input = _single_token_input(engine_inputs)
+    engine_input = single_token_input_of(engine_inputs)
     header: Sequence[int] = []
     if system_only.messages:
         rendered = await render(system_only)
         if not isinstance(rendered, tuple):
             return rendered
-        header = _single_token_input(rendered[1])["prompt_token_ids"]
-    prompt = build_chat_span_prompt(
+        header = single_token_input_of(rendered[1])["prompt_token_ids"]
+    prompt = build_span_prompt(
         header, engine_input["prompt_token_ids"], texts, tokenizer=tokenizer,
         protocol=protocol, block_size=block_size, recipe=recipe)
     check_fits(prompt, max_model_len, len(texts))
-    # Same input (cache_salt, arrival time) with the span prompt's tokens; the text of the
-    # plain rendering would no longer match them.
+    return conversation, [with_tokens(engine_input, prompt.final)]
+
+
+def with_tokens(engine_input: Mapping[str, Any], token_ids: list[int]) -> dict[str, Any]:
+    """The same engine input (cache_salt, arrival time) with the span prompt's tokens; the
+    text of the plain rendering would no longer match them, so it goes."""
     span_input = {k: v for k, v in engine_input.items()
                   if k not in ("prompt", "prompt_token_offsets")}
-    span_input["prompt_token_ids"] = prompt.final
-    return conversation, [span_input]
+    span_input["prompt_token_ids"] = token_ids
+    return span_input
 
 
 def _system_only(request: Any) -> Any:
@@ -164,7 +169,7 @@ def _role(message: Any) -> Any:
     return message.get("role") if isinstance(message, Mapping) else getattr(message, "role", None)
 
 
-def _single_token_input(engine_inputs: Sequence[Any]) -> Mapping[str, Any]:
+def single_token_input_of(engine_inputs: Sequence[Any]) -> Mapping[str, Any]:
     if len(engine_inputs) != 1 or engine_inputs[0].get("type", "token") != "token" \
             or "prompt_token_ids" not in engine_inputs[0]:
         raise DocumentsRequestError("minipic lays out documents for text-only chat requests; "
