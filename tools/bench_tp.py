@@ -105,8 +105,9 @@ def build_prompts(docs: int, doc_tokens: int, finals: int, seed: int = 0) -> dic
                                   system=system, protocol=protocol, block_size=BLOCK_SIZE)
                 prompts["prefills"] += [s for s in p.span_prefills if s not in prompts["prefills"]]
                 prompts[kind].append({
-                    "recipe": recipe, "tokens": p.final, "expected_cached": p.expected_cached_tokens,
-                    # sent again: every full block hits but the last token's (vLLM recomputes it)
+                    "recipe": recipe, "tokens": p.final,
+                    "expected_cached": p.expected_cached_tokens,
+                    # Sent again: every full block hits, but vLLM recomputes the last token.
                     "expected_rerun": (len(p.final) - 1) // BLOCK_SIZE * BLOCK_SIZE})
     return prompts
 
@@ -324,6 +325,12 @@ def main(argv: list[str] | None = None) -> None:
             (args.out / "bench_tp.md").write_text(markdown(results))
     print((args.out / "bench_tp.md").read_text())
     print("tp2_max_logprob_diff_vs_tp1:", headline(results))
+    failed = [(r["shape"], phase, p["error"]) for r in results for phase, p in r["phases"].items()
+              if "error" in p]
+    for shape, phase, error in failed:
+        print(f"--- {shape} {phase} failed:\n{error}", file=sys.stderr)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
