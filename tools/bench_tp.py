@@ -170,6 +170,12 @@ def seeded_weights(model) -> int:
         return len(model.load_weights(tensors()))
 
 
+def seed_rank_weights(worker) -> int:
+    """Sent to each rank by collective_rpc, which cloudpickles a callable (by value: this
+    script is no module the ranks could import)."""
+    return seeded_weights(worker.get_model())
+
+
 def run_engine(spec: dict) -> dict:
     """In this (child) process: one engine, the phase's requests, results as a dict."""
     from vllm import LLM, SamplingParams
@@ -188,7 +194,7 @@ def run_engine(spec: dict) -> dict:
               kv_transfer_config={"kv_connector": "MiniPICConnector",
                                   "kv_connector_module_path": "minipic.connector",
                                   "kv_role": "kv_both", "kv_connector_extra_config": extra})
-    loaded = llm.apply_model(seeded_weights)
+    loaded = llm.collective_rpc(seed_rank_weights)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True,
                             detokenize=False)
     tokens = lambda prompts: [TokensPrompt(prompt_token_ids=p) for p in prompts]  # noqa: E731
@@ -246,7 +252,6 @@ def run_child(spec: dict, work: Path) -> dict:
     spec_file.write_text(json.dumps(spec))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0" if TP_OF[spec["phase"]] == 1 else "0,1",
                VLLM_ENABLE_V1_MULTIPROCESSING="0",  # engine core in the child itself
-               VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # apply_model sends a function to ranks
                HF_HUB_OFFLINE="1", **NO_MULTICAST)
     proc = subprocess.run([sys.executable, __file__, "--out", str(out), "--child",
                            str(spec_file)], env=env, capture_output=True, text=True, timeout=600)
