@@ -172,6 +172,6 @@ def _role(message: Any) -> Any:
 def single_token_input_of(engine_inputs: Sequence[Any]) -> Mapping[str, Any]:
     if len(engine_inputs) != 1 or engine_inputs[0].get("type", "token") != "token" \
             or "prompt_token_ids" not in engine_inputs[0]:
-        raise DocumentsRequestError("minipic lays out documents for text-only chat requests; "
+        raise DocumentsRequestError("minipic lays out documents for text-only requests; "
                                     "this one has multimodal or embedding inputs")
     return engine_inputs[0]
