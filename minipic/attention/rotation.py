@@ -7,7 +7,7 @@ import torch
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
            rotary_dim: int, is_neox_style: bool, backwards: bool = False) -> torch.Tensor:
-    """Apply RoPE to `x` [tokens, heads, head_size] at `positions` [tokens].
+    """Apply RoPE to `x` [tokens, ..., heads, head_size] at `positions` [tokens].
 
     `cos_sin` is [max_positions, rotary_dim] = cat(cos, sin), as in vLLM's
     `cos_sin_cache`. Dimensions past `rotary_dim` pass through. Returns fp32.
@@ -17,7 +17,8 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     cos, sin = cos_sin.index_select(0, positions.long()).float().chunk(2, dim=-1)
     if backwards:
         sin = -sin
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)  # broadcast over heads (and batch rows)
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     if is_neox_style:
         # neox: the two halves of the rotary dims form the (real, imag) pairs

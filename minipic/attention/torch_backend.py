@@ -58,6 +58,9 @@ class MiniPICTorchMetadata:
     block_size: int
     layout: SpanLayout | None = None  # spans and links; None: plain causal attention
     token_shift: torch.Tensor | None = None  # [num_tokens] link shifts; None: all 0
+    # Per request, [queries, keys] visibility (segments.visible_keys), built once per
+    # batch for all layers; None: plain causal attention.
+    visible: list[torch.Tensor] | None = None
 
 
 class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]):
@@ -73,6 +76,9 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
         layout = current_layout(m.num_reqs, block_size)
         if layout is not None and layout.is_plain():
             layout = None
+        visible = None if layout is None else [
+            visible_keys(layout, i, seq_len, query_start_loc[i + 1] - query_start_loc[i],
+                         block_size) for i, seq_len in enumerate(seq_lens)]
         return MiniPICTorchMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -82,6 +88,7 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
             layout=layout,
             token_shift=None if layout is None else token_shifts(
                 layout, query_start_loc, seq_lens, block_size),
+            visible=visible,
         )
 
 
@@ -135,16 +142,43 @@ class MiniPICTorchImpl(AttentionImpl):
         rope = current_rope()
         cos_sin = rope.cos_sin(query.device)
         qsl = md.query_start_loc
+        single = [i for i in range(len(md.seq_lens)) if qsl[i + 1] - qsl[i] == 1]
+        if len(single) > 1:  # decode steps: one batched computation, not one per request
+            rows = torch.tensor([qsl[i] for i in single], device=query.device)
+            out[rows] = self._one_query_each(q_all[rows], kv_cache, md, single, rope,
+                                             cos_sin).to(out.dtype)
         for i, seq_len in enumerate(md.seq_lens):
+            if len(single) > 1 and i in single:
+                continue
             q = q_all[qsl[i] : qsl[i + 1]]
             k, v = gather_request_kv(kv_cache, md.block_table[i], seq_len, self.head_size)
             k = rotate(k, torch.arange(seq_len, device=k.device), cos_sin,
                        rope.rotary_dim, rope.is_neox_style)
-            visible = None if md.layout is None else visible_keys(
-                md.layout, i, seq_len, len(q), md.block_size)
+            visible = None if md.visible is None else md.visible[i]
             out[qsl[i] : qsl[i + 1]] = causal_attention(
                 q, k, v, self.scale, self.logits_soft_cap, visible).to(out.dtype)
         return output
+
+    def _one_query_each(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                        md: MiniPICTorchMetadata, requests: list[int], rope,
+                        cos_sin: torch.Tensor) -> torch.Tensor:
+        """Attention of requests with one query token each (decode), padded to the longest."""
+        seq_lens = torch.tensor([md.seq_lens[i] for i in requests], device=q.device)
+        longest = int(seq_lens.max())
+        blocks = -(-longest // md.block_size)
+        pages = kv_cache[md.block_table[requests, :blocks].long()]  # [N, nb, H, B, 2D]
+        kv = pages.permute(0, 1, 3, 2, 4).reshape(len(requests), blocks * md.block_size,
+                                                  kv_cache.shape[1], -1)[:, :longest]
+        positions = torch.arange(longest, device=q.device)
+        k = rotate(kv[..., : self.head_size].transpose(0, 1), positions, cos_sin,
+                   rope.rotary_dim, rope.is_neox_style).transpose(0, 1)
+        visible = positions[None, :] < seq_lens[:, None]
+        if md.visible is not None:
+            rows = [torch.nn.functional.pad(md.visible[i][0], (0, longest - md.seq_lens[i]))
+                    for i in requests]
+            visible &= torch.stack(rows)
+        return attend(q[:, None], k, kv[..., self.head_size:], self.scale,
+                      self.logits_soft_cap, visible[:, None, :])[:, 0]
 
 
 def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
@@ -168,17 +202,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     the keys `visible` [T, S] allows (segments.visible_keys).
     """
     t, s = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]  # GQA/MQA: query heads per kv head
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.float(), k) * scale
-    if soft_cap > 0:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
     if visible is None:
         q_pos = torch.arange(s - t, s, device=q.device)[:, None]
         visible = torch.arange(s, device=q.device)[None, :] <= q_pos
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hts,shd->thd", scores.softmax(dim=-1), v)
+    return attend(q[None], k[None], v[None], scale, soft_cap, visible[None])[0]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft_cap: float,
+           visible: torch.Tensor) -> torch.Tensor:
+    """Batched masked attention in fp32: q [N, T, Hq, D], k and v [N, S, Hkv, D],
+    visible [N, T, S] -> [N, T, Hq, D]."""
+    n, t, num_heads, d = q.shape
+    kv_heads = k.shape[2]  # GQA/MQA: query heads come in groups, one per kv head
+    q = q.float().view(n, t, kv_heads, num_heads // kv_heads, d)
+    scores = torch.einsum("ntkgd,nskd->nkgts", q, k.float()) * scale
+    if soft_cap > 0:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    out = torch.einsum("nkgts,nskd->ntkgd", scores.softmax(dim=-1), v.float())
+    return out.reshape(n, t, num_heads, d)
 
 
 def _refuse_unsupported(alibi_slopes, sliding_window, kv_cache_dtype, attn_type,
