@@ -92,6 +92,11 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
         )
 
 
+# Requests with at most this many query tokens (decode steps, short prompts after a
+# cache hit) are attended to together: one launch per layer instead of one per request.
+SHORT_QUERY = 32
+
+
 class MiniPICTorchImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None,
@@ -142,13 +147,15 @@ class MiniPICTorchImpl(AttentionImpl):
         rope = current_rope()
         cos_sin = rope.cos_sin(query.device)
         qsl = md.query_start_loc
-        single = [i for i in range(len(md.seq_lens)) if qsl[i + 1] - qsl[i] == 1]
-        if len(single) > 1:  # decode steps: one batched computation, not one per request
-            rows = torch.tensor([qsl[i] for i in single], device=query.device)
-            out[rows] = self._one_query_each(q_all[rows], kv_cache, md, single, rope,
-                                             cos_sin).to(out.dtype)
+        short = [i for i in range(len(md.seq_lens)) if qsl[i + 1] - qsl[i] <= SHORT_QUERY]
+        if len(short) > 1:  # decode steps, short prompts after a hit: one batched computation
+            rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in short]).to(query.device)
+            out[rows] = self._short_queries(q_all, kv_cache, md, short, rope,
+                                            cos_sin).to(out.dtype)
+        else:
+            short = []
         for i, seq_len in enumerate(md.seq_lens):
-            if len(single) > 1 and i in single:
+            if i in short:
                 continue
             q = q_all[qsl[i] : qsl[i + 1]]
             k, v = gather_request_kv(kv_cache, md.block_table[i], seq_len, self.head_size)
@@ -159,26 +166,32 @@ class MiniPICTorchImpl(AttentionImpl):
                 q, k, v, self.scale, self.logits_soft_cap, visible).to(out.dtype)
         return output
 
-    def _one_query_each(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                        md: MiniPICTorchMetadata, requests: list[int], rope,
-                        cos_sin: torch.Tensor) -> torch.Tensor:
-        """Attention of requests with one query token each (decode), padded to the longest."""
-        seq_lens = torch.tensor([md.seq_lens[i] for i in requests], device=q.device)
-        longest = int(seq_lens.max())
+    def _short_queries(self, q_all: torch.Tensor, kv_cache: torch.Tensor,
+                       md: MiniPICTorchMetadata, requests: list[int], rope,
+                       cos_sin: torch.Tensor) -> torch.Tensor:
+        """Attention of requests with few query tokens each, padded to the longest request
+        and query; returns their query rows in batch order."""
+        qsl, device = md.query_start_loc, q_all.device
+        lengths = [qsl[i + 1] - qsl[i] for i in requests]
+        seq_lens = [md.seq_lens[i] for i in requests]
+        longest, most = max(seq_lens), max(lengths)
         blocks = -(-longest // md.block_size)
         pages = kv_cache[md.block_table[requests, :blocks].long()]  # [N, nb, H, B, 2D]
         kv = pages.permute(0, 1, 3, 2, 4).reshape(len(requests), blocks * md.block_size,
                                                   kv_cache.shape[1], -1)[:, :longest]
-        positions = torch.arange(longest, device=q.device)
-        k = rotate(kv[..., : self.head_size].transpose(0, 1), positions, cos_sin,
-                   rope.rotary_dim, rope.is_neox_style).transpose(0, 1)
-        visible = positions[None, :] < seq_lens[:, None]
-        if md.visible is not None:
-            rows = [torch.nn.functional.pad(md.visible[i][0], (0, longest - md.seq_lens[i]))
-                    for i in requests]
-            visible &= torch.stack(rows)
-        return attend(q[:, None], k, kv[..., self.head_size:], self.scale,
-                      self.logits_soft_cap, visible[:, None, :])[:, 0]
+        k = rotate(kv[..., : self.head_size].transpose(0, 1),
+                   torch.arange(longest, device=device), cos_sin, rope.rotary_dim,
+                   rope.is_neox_style).transpose(0, 1)
+        q = q_all.new_zeros(len(requests), most, *q_all.shape[1:])
+        visible = torch.zeros(len(requests), most, longest, dtype=torch.bool, device=device)
+        for n, (i, t, s) in enumerate(zip(requests, lengths, seq_lens)):
+            q[n, :t] = q_all[qsl[i] : qsl[i] + t]
+            rows = md.visible[i] if md.visible is not None else \
+                torch.arange(s, device=device)[None, :] <= torch.arange(s - t, s, device=device)[:, None]
+            visible[n, :t, :s] = rows
+            visible[n, t:, 0] = True  # padding rows: any one key, their output is dropped
+        out = attend(q, k, kv[..., self.head_size:], self.scale, self.logits_soft_cap, visible)
+        return torch.cat([out[n, :t] for n, t in enumerate(lengths)])
 
 
 def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
