@@ -30,6 +30,13 @@ from minipic.protocol import SpanProtocol
 CONFIG_KEY = "minipic"
 CONNECTOR_NAME = "MiniPICConnector"
 
+
+def connector_config(options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for MiniPICConnector with these options
+    (`kv_connector_extra_config`: store_dir, cpu_bytes, ..., see docs/connector.md)."""
+    return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": "minipic.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": dict(options or {})}
+
 # Every key minipic reads from its additional_config section, in one place: the
 # span protocol's fields (so a marker added there is allowed here) and the switch.
 ENGINE_OPTION_KEYS = frozenset(

@@ -11,6 +11,7 @@ import json
 import pytest
 from conftest import MINIPIC_ON, start_llm
 
+from minipic.config import connector_config
 from minipic.hashing.block_hasher import UnsupportedHashAlgoError
 from minipic.protocol import SpanProtocolError
 from minipic.support import UnsupportedModelError
@@ -148,9 +149,7 @@ def test_bos_or_eos_as_marker_is_refused(tiny_model, token_id, name):
 
 
 def connector(**options) -> dict:
-    return {"kv_transfer_config": {"kv_connector": "MiniPICConnector",
-                                   "kv_connector_module_path": "minipic.connector",
-                                   "kv_role": "kv_both", "kv_connector_extra_config": options}}
+    return {"kv_transfer_config": connector_config(options)}
 
 
 @pytest.mark.parametrize("options, message", [

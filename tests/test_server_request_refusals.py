@@ -16,6 +16,8 @@ import openai
 import pytest
 from conftest import BLOCK_SIZE, api_server
 
+from minipic.config import connector_config
+
 pytestmark = pytest.mark.engine
 SSEP, PDEP, PAD = 3, 4, 5
 
@@ -83,8 +85,7 @@ def test_span_prefills_and_opt_in_and_tasks_still_generate(client):
 
 
 def test_bad_connector_option_stops_the_server_before_the_model_loads(tiny_model, tmp_path):
-    config = {"kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
-              "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes": "abc"}}
+    config = connector_config({"cpu_bytes": "abc"})
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,

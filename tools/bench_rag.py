@@ -256,12 +256,12 @@ def connector_config(arch: str, store: str, markers: dict, disk_max_bytes: int |
     vLLM 0.25.1 does not."""
     from vllm.config import KVTransferConfig
 
+    from minipic.config import connector_config
+
     extra = bench_ttft.connector_extra(arch, store, markers, cpu_bytes)
     if disk_max_bytes:
         extra["disk_max_bytes"] = disk_max_bytes
-    return KVTransferConfig(
-        kv_connector="MiniPICConnector", kv_connector_module_path="minipic.connector",
-        kv_role="kv_both", kv_connector_extra_config=extra)
+    return KVTransferConfig(**connector_config(extra))
 
 
 def engine_args(spec: dict, config: Config, max_num_seqs: int) -> tuple[dict, str]:

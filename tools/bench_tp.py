@@ -181,6 +181,7 @@ def run_engine(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from minipic.config import connector_config
     from minipic.connector.store.settle import wait_until_settled
     from minipic.devtools.llama3_8b import MARKERS
 
@@ -191,9 +192,7 @@ def run_engine(spec: dict) -> dict:
               max_num_batched_tokens=4096, gpu_memory_utilization=0.85, enforce_eager=True,
               enable_prefix_caching=True, seed=0, tensor_parallel_size=TP_OF[phase],
               disable_custom_all_reduce=True,  # NCCL only: one all-reduce path, no IPC buffers
-              kv_transfer_config={"kv_connector": "MiniPICConnector",
-                                  "kv_connector_module_path": "minipic.connector",
-                                  "kv_role": "kv_both", "kv_connector_extra_config": extra})
+              kv_transfer_config=connector_config(extra))
     loaded = llm.collective_rpc(seed_rank_weights)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True,
                             detokenize=False)

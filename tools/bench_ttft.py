@@ -177,6 +177,7 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from minipic.config import connector_config
     from minipic.connector.store.settle import wait_until_settled
 
     phase = Phase(**phase)
@@ -190,9 +191,7 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
             extra["disk_read_threads"] = phase.read_threads
         if phase.read_processes is not None:
             extra["disk_read_processes"] = phase.read_processes
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        kwargs["kv_transfer_config"] = connector_config(extra)
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     run = lambda prompts: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],

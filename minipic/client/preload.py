@@ -35,7 +35,7 @@ from minipic.client.document_spans import DEFAULT_SPAN_TOKENS
 from minipic.client.manifest import FAILED, NEW, PENDING, PREFILLED, STORED
 from minipic.client.preloader import PreloadReport, preload
 from minipic import __version__
-from minipic.config import CONNECTOR_NAME
+from minipic.config import connector_config
 from minipic.help_format import DefaultsHelpFormatter
 from minipic.protocol import SpanProtocol
 
@@ -127,9 +127,7 @@ async def _backend(args: argparse.Namespace) -> Any:
     engine_args = dict(args.engine_args)
     if args.block_size is not None:
         engine_args["block_size"] = args.block_size
-    engine_args["kv_transfer_config"] = {
-        "kv_connector": CONNECTOR_NAME, "kv_connector_module_path": "minipic.connector",
-        "kv_role": "kv_both", "kv_connector_extra_config": args.connector_config}
+    engine_args["kv_transfer_config"] = connector_config(args.connector_config)
     return AsyncLLMBackend.start(model=args.model, **engine_args)
 
 

@@ -19,6 +19,7 @@ from conftest import BLOCK_SIZE, engine_kwargs, start_llm, stop_llm
 from minipic.client.backends import LLMBackend
 from minipic.client.manifest import NEW, STORED, Manifest
 from minipic.client.preload import main
+from minipic.config import connector_config as minipic_connector
 from minipic.client.preloader import preload
 from minipic.client.rag_client import DocRef, RagClient
 
@@ -76,9 +77,7 @@ def test_first_run_stores_every_span_and_reports_bad_files(tiny_model, corpus,
 
 def test_llm_on_the_store_answers_with_preloaded_spans(tiny_model, connector_config, tmp_path):
     manifest = tmp_path / "manifest.parquet"
-    llm = start_llm(tiny_model, kv_transfer_config={
-        "kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
-        "kv_role": "kv_both", "kv_connector_extra_config": dict(connector_config)})
+    llm = start_llm(tiny_model, kv_transfer_config=minipic_connector(connector_config))
     try:
         backend = LLMBackend(llm)
         report = asyncio.run(preload(EXAMPLES, backend, manifest_path=manifest, id_field="id",

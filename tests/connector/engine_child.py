@@ -25,16 +25,13 @@ import time
 def make_llm(model: str, extra_config: dict):
     from vllm import LLM
 
+    from minipic.config import connector_config
+
     return LLM(
         model=model, enforce_eager=True, block_size=32, dtype="float32",
         gpu_memory_utilization=0.1, max_model_len=1024, enable_prefix_caching=True,
         max_num_seqs=8, seed=0,
-        kv_transfer_config={
-            "kv_connector": "MiniPICConnector",
-            "kv_connector_module_path": "minipic.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra_config,
-        },
+        kv_transfer_config=connector_config(extra_config),
     )
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from conftest import api_server
 
+from minipic.config import connector_config
+
 pytestmark = pytest.mark.engine
 
 SSEP, PDEP, PAD, BS = 3, 4, 5, 32
@@ -294,8 +296,7 @@ def _post(url: str, body: dict) -> dict:
 def test_5_vllm_serve_answers_span_prompts_with_hits(world):
     store = world["tmp"] / "store-serve"
     shutil.copytree(world["store"], store)
-    kv = {"kv_connector": "MiniPICConnector", "kv_connector_module_path": "minipic.connector",
-          "kv_role": "kv_both", "kv_connector_extra_config": extra_config(store)}
+    kv = connector_config(extra_config(store))
     log = world["tmp"] / "serve.log"
     with api_server(world["model"], log, "--max-model-len", "1024",
                     "--kv-transfer-config", json.dumps(kv)) as url:
