@@ -22,8 +22,9 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |                                                  |             | (model_executor.layers.rotary_embedding._ROPE_DICT) |
 | v1.worker.gpu.model_runner.GPUModelRunner        | worker      | same for Model Runner V2, plus the    |
 |   .__init__ and .prepare_inputs                  |             | batch's rows of that table            |
-| v1.engine.input_processor.InputProcessor         | front end   | refuse a prompt whose SSep/PDep is    |
-|   ._validate_model_input                         | (API / LLM) | not at a block start (HTTP 400)       |
+| v1.engine.input_processor.InputProcessor         | front end   | refuse a prompt whose SSep/PDep/link  |
+|   ._validate_model_input                         | (API / LLM) | is not at a block start, or whose     |
+|                                                  |             | links lack their spans (HTTP 400)     |
 | v1.engine.input_processor.InputProcessor         | front end   | refuse generating from a prompt that  |
 |   .process_inputs (+ process_inputs_async, its   | (API / LLM) | ends inside an SSep span, unless the  |
 |   wrapper made per instance)                     |             | request opts in (HTTP 400)            |

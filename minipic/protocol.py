@@ -109,9 +109,9 @@ class SpanProtocol:
             name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
             raise SpanProtocolError(
                 f"tokenizer {name!r} has {len(reserved)} reserved special tokens, "
-                "minipic needs 4 unused ids for SSep, PDep, padding and EPIC links: name "
-                "them with ssep_token_id, pdep_token_id, pad_token_id and link_token_id "
-                "in minipic's config"
+                "minipic needs 3 unused ids for SSep, PDep and padding, and a 4th for "
+                "EPIC links: name them with ssep_token_id, pdep_token_id, pad_token_id "
+                "and link_token_id in minipic's config"
             )
         return cls(*reserved[:4])
 
@@ -131,14 +131,25 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
 
     The k-th link segment (a link block and the plain blocks after it) replaces the
     first blocks of the k-th SSep span, so that span must come before it and be at
-    least as long. Anything else would leave link tokens without a position."""
+    least as long. Anything else would leave link tokens without a position. No PDep
+    block may sit between a span and its link: attention hides the span's head from
+    every query outside spans, which there would precede the link standing for it
+    (and its KV would depend on a later block its hash does not cover)."""
     if protocol.link_token_id is None:
         return
+    firsts = list(block_first_tokens)
+    total_links = firsts.count(protocol.link_token_id)
     spans: list[int] = []  # length in blocks of each SSep span so far
     links = 0
     kind = None
     link_start = 0
-    for block, first in enumerate(list(block_first_tokens) + [protocol.pdep_token_id]):
+    for block, first in enumerate(firsts + [protocol.pdep_token_id]):
+        if first == protocol.pdep_token_id and block < len(firsts) \
+                and links < min(len(spans), total_links):
+            raise MisplacedMarkerError(
+                f"prompt token {block * block_size} starts a PDep block between span "
+                f"{links + 1} and its link: put every link before the task (as "
+                "minipic.client.epic does)")
         if first in protocol.markers:
             if kind == "link":
                 _check_link_fits(links, block - link_start, spans, link_start, block_size)

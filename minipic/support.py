@@ -48,6 +48,9 @@ def model_problems(vllm_config: Any) -> list[str]:
             vllm_config.parallel_config, "decode_context_parallel_size", 1) > 1,
         "prefill context parallelism: hash blocks span several KV blocks": getattr(
             vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1,
+        "Inductor graph partition: it captures the KV cache update, where minipic turns "
+        "EPIC link keys back (attention.links); use vLLM's default splitting": bool(getattr(
+            vllm_config.compilation_config, "use_inductor_graph_partition", False)),
     }
     problems = [reason for reason, present in checks.items() if present]
     problems += _connector_problems(vllm_config) + _mask_markers_problems(vllm_config)

@@ -37,9 +37,9 @@ def test_a_link_before_its_span_is_refused_with_its_position():
 
 
 def test_a_link_longer_than_its_span_is_refused():
-    with pytest.raises(MisplacedMarkerError, match="prompt token 6 starts link block 1, 2 "
+    with pytest.raises(MisplacedMarkerError, match="prompt token 4 starts link block 1, 2 "
                                                    "blocks long, but span 1 is 1 block"):
-        P.check_marker_placement(blocks(1, 3, 4, 6, 9), B)
+        P.check_marker_placement(blocks(1, 3, 6, 9), B)
 
 
 def test_a_link_inside_a_block_is_refused():
@@ -49,3 +49,13 @@ def test_a_link_inside_a_block_is_refused():
 
 def test_without_a_link_id_the_token_is_text():
     SpanProtocol(3, 4, 5).check_marker_placement(blocks(6, 6, 3), B)
+
+
+def test_a_pdep_block_between_a_span_and_its_link_is_refused():
+    """Its queries would not see span 1's head, hidden for the link that comes later,
+    and its PDep hash does not cover that link (a cached block with the wrong KV)."""
+    with pytest.raises(MisplacedMarkerError, match="prompt token 6 starts a PDep block "
+                                                   "between span 1 and its link"):
+        P.check_marker_placement(blocks(1, 3, 9, 4, 6, 4), B)
+    P.check_marker_placement(blocks(1, 3, 6, 3, 4), B)  # span 2 has no link: fine
+    P.check_marker_placement(blocks(1, 3, 3, 6, 6, 4, 9), B)  # links, then the task

@@ -117,8 +117,9 @@ def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_
 
     Markers count in the prompt only (`prompt_lens` [reqs]), as in the block hasher.
     The k-th link segment (a link block and the plain blocks after it) stands for
-    the first blocks of the k-th SSep span; the front end refuses prompts where that
-    span is missing or shorter (protocol.check_links), here they are only clamped.
+    the first blocks of the k-th SSep span. The front end refuses every prompt where
+    that would not hold (protocol.check_links: the span missing or shorter, a PDep
+    block between a span and its link); this function assumes it does.
     """
     firsts = block_first_tokens
     num_reqs, num_blocks = firsts.shape
@@ -177,12 +178,11 @@ def _token_rows(num_reqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             torch.from_numpy(batch.num_prompt_tokens[:num_reqs]))
 
 
-def quiet_keys(tokens: torch.Tensor, prompt_lens: torch.Tensor,
-               protocol: SpanProtocol) -> torch.Tensor:
-    """[reqs, tokens] bool: the prompts' marker and padding tokens."""
+def quiet_keys(tokens: torch.Tensor, protocol: SpanProtocol) -> torch.Tensor:
+    """[reqs, tokens] bool: marker and padding tokens, generated ones too, so that a
+    block's KV depends on its tokens only, as its hash does."""
     ids = torch.tensor(sorted(protocol.markers | {protocol.pad_token_id}), device=tokens.device)
-    position = torch.arange(tokens.shape[1], device=tokens.device)
-    return torch.isin(tokens, ids) & (position[None, :] < prompt_lens.to(tokens.device)[:, None])
+    return torch.isin(tokens, ids)
 
 
 def current_layout(num_reqs: int, block_size: int) -> SpanLayout | None:
@@ -193,7 +193,7 @@ def current_layout(num_reqs: int, block_size: int) -> SpanLayout | None:
     tokens, prompt_lens = found
     layout = span_layout(tokens[:, ::block_size], _protocol, block_size, prompt_lens)
     if _mask_markers:
-        layout.quiet = quiet_keys(tokens, prompt_lens, _protocol)
+        layout.quiet = quiet_keys(tokens, _protocol)
     return layout
 
 
@@ -235,9 +235,3 @@ def visible_keys(layout: SpanLayout, row: int, seq_len: int, num_queries: int,
     if layout.quiet is not None:  # a quiet key is seen by its own query only
         visible &= ~layout.quiet[row, :seq_len].to(device)[None, :] | (key_pos[None, :] == key_pos[q, None])
     return visible & (key_pos[None, :] <= key_pos[q, None])
-
-
-def first_key_table(layout: SpanLayout, block_size: int) -> torch.Tensor:
-    """[reqs, blocks] first key each block's queries see: the span rules without links
-    (what minipic's Triton kernel implements)."""
-    return torch.where(layout.span_of >= 0, layout.span_of * block_size, 0).to(torch.int32)

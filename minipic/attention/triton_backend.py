@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
@@ -71,6 +71,11 @@ class MiniPICTritonBackend(PositionFreeTraits, TritonAttentionBackend):
 
 
 class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
+    # Full CUDA graphs only for single-token decode batches: a replayed graph skips the
+    # host's link turn-back (attention.links), and links are prompt tokens.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
     """vLLM's Triton metadata plus minipic's span tables and link shifts (segments.py).
 
     Sets on the metadata: `minipic_span_of` / `minipic_context_pos` (static buffers,

@@ -370,3 +370,16 @@ def test_kv_layout_separates_what_changes_page_bytes(monkeypatch):
     assert layout(minipic={"mask_markers": True}) != default  # other KV for every span
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
     assert layout() != default
+
+
+def test_eviction_never_follows_a_link_in_the_lock_file_place(tmp_path):
+    """A planted symlink at the eviction lock's path is refused, its target untouched."""
+    from minipic.connector.store.eviction import LOCK_FILE, evict_lru
+
+    target = tmp_path / "elsewhere"
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / LOCK_FILE).symlink_to(target)
+    with pytest.raises(OSError):
+        evict_lru(store, max_bytes=0)
+    assert not target.exists()

@@ -500,7 +500,7 @@ class MiniPICDiskTier(SecondaryTierManager):
         if self._readers is not None:
             self._readers.close()
         if self._watcher is not None:
-            self._watcher.join()
+            self._watcher.join(timeout=10)  # a hung mount must not hang shutdown
         for counters in (self.counters, *self._other_counters.values()):
             counters.maybe_flush(force=True)
         # Our byte view pins the CPU tier's mmap: release it so the tier can close it.

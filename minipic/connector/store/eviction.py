@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Iterator
@@ -79,8 +80,12 @@ def store_bytes(root: str | os.PathLike) -> int:
 @contextlib.contextmanager
 def _exclusive(root: Path) -> Iterator[bool]:
     """Yields True if this process holds the eviction lock, False if another does."""
-    fd = os.open(root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+    # Never follow a planted link or block on a FIFO in the lock's place.
+    flags = os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(root / LOCK_FILE, flags, 0o644)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{root / LOCK_FILE} is not a regular file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
