@@ -13,8 +13,7 @@ import dataclasses
 from typing import Any
 
 from minipic.protocol import SpanProtocol
-
-SETTINGS_PATH = "/minipic/v1/settings"
+from minipic.serving.settings_route import SETTINGS_PATH  # the server's route, one spelling
 
 
 class NotAMinipicServerError(RuntimeError):
