@@ -149,11 +149,9 @@ def test_equals_stock_vllm_on_prerotated_keys(batch):
     assert relative_error(ours, theirs) < TOLERANCE[torch.bfloat16]
 
 
-def test_cuda_graph_replay_follows_new_lengths():
-    """Captured once, replayed after the step's metadata changes in place (vLLM's static buffers)."""
-    case = make_case([1, 1, 1, 1], [700, 90, 2500, 33], num_q_heads=32, num_kv_heads=8,
-                     head_size=128, dtype=torch.bfloat16, device="cuda", seed=5)
-    out = torch.empty_like(case.q)
+def captured_decode(case, out: torch.Tensor, **span_tables) -> tuple:
+    """A decode launch (32 q heads, head size 128, bf16 case) compiled, then captured; returns
+    the graph and the split-KV buffers it writes, which the caller must keep alive."""
     segm = tk.segment_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
 
     def step():
@@ -162,13 +160,22 @@ def test_cuda_graph_replay_follows_new_lengths():
             seqused_k=case.seq_lens, max_seqlen_q=1, block_table=case.block_table,
             softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=128, is_neox_style=True,
             segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
-            seq_threshold_3d=SEQ_THRESHOLD_3D)
+            seq_threshold_3d=SEQ_THRESHOLD_3D, **span_tables)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    return graph, segm
+
+
+def test_cuda_graph_replay_follows_new_lengths():
+    """Captured once, replayed after the step's metadata changes in place (vLLM's static buffers)."""
+    case = make_case([1, 1, 1, 1], [700, 90, 2500, 33], num_q_heads=32, num_kv_heads=8,
+                     head_size=128, dtype=torch.bfloat16, device="cuda", seed=5)
+    out = torch.empty_like(case.q)
+    graph, _buffers = captured_decode(case, out)
     for shrink in (0, 1, 17):
         new_lens = torch.tensor([701, 91, 2501, 34], dtype=torch.int32) - shrink
         case.seq_lens.copy_(new_lens)  # one token shorter context, then more
@@ -252,22 +259,8 @@ def test_cuda_graph_replay_reads_span_tables():
     context_pos = (torch.arange(span_of.shape[1], dtype=torch.int32, device="cuda") * 16
                    ).expand(span_of.shape).contiguous()
     out = torch.empty_like(case.q)
-    segm = tk.segment_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
-
-    def step():
-        tk.unified_attention_rope(
-            case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
-            seqused_k=case.seq_lens, max_seqlen_q=1, block_table=case.block_table,
-            softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=128, is_neox_style=True,
-            segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
-            seq_threshold_3d=SEQ_THRESHOLD_3D, span_of=span_of, context_pos=context_pos,
-            segment_block_size=16)
-
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _buffers = captured_decode(case, out, span_of=span_of, context_pos=context_pos,
+                                      segment_block_size=16)
     span_of.copy_(case.layout.span_of)
     context_pos.copy_(case.layout.context_pos)
     out.fill_(float("nan"))
