@@ -175,3 +175,38 @@ def test_a_layer_that_chose_a_stock_backend_is_refused():
     stock = SimpleNamespace(attn_backend=CPUAttentionBackend)
     with pytest.raises(NotPositionFreeError, match=r"layers\.1\.attn .*CPUAttentionBackend"):
         check_every_layer_is_position_free({"layers.0.attn": ours, "layers.1.attn": stock})
+
+
+def test_batched_short_queries_ignore_stale_cache_slots():
+    """Requests of different lengths attended together: slots past a request's length
+    (never written, or another request's) may hold NaN and must not reach its output;
+    the result equals attending to each request alone."""
+    from types import SimpleNamespace
+
+    from minipic.attention.rotation import rotate
+    from minipic.attention.torch_backend import (
+        MiniPICTorchImpl, MiniPICTorchMetadata, causal_attention, gather_request_kv)
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, block = 4, 2, 8, 4
+    kv_cache = torch.full((6, kv_heads, block, 2 * d), float("nan"))
+    seq_lens, query_lens = [7, 3], [2, 1]
+    table = torch.tensor([[0, 1], [2, 3]])
+    for row, n in zip(table, seq_lens):  # only the requests' own slots are written
+        for pos in range(n):
+            kv_cache[row[pos // block], :, pos % block] = torch.randn(kv_heads, 2 * d)
+    q_all = torch.randn(sum(query_lens), heads, d)
+    md = MiniPICTorchMetadata(num_actual_tokens=3, query_start_loc=[0, 2, 3], seq_lens=seq_lens,
+                              block_table=table, block_size=block)
+    impl = object.__new__(MiniPICTorchImpl)
+    impl.head_size, impl.scale, impl.logits_soft_cap = d, 0.3, 0.0
+    rope = SimpleNamespace(rotary_dim=d, is_neox_style=True)
+    cos_sin = torch.randn(16, d)
+    got = impl._short_queries(q_all, kv_cache, md, [0, 1], rope, cos_sin)
+    alone = []
+    for i, (start, n) in enumerate(zip([0, 2], query_lens)):
+        k, v = gather_request_kv(kv_cache, table[i], seq_lens[i], d)
+        k = rotate(k, torch.arange(seq_lens[i]), cos_sin, d, True)
+        alone.append(causal_attention(q_all[start:start + n], k, v, 0.3))
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, torch.cat(alone), atol=1e-5)

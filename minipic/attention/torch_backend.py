@@ -152,10 +152,9 @@ class MiniPICTorchImpl(AttentionImpl):
             rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in short]).to(query.device)
             out[rows] = self._short_queries(q_all, kv_cache, md, short, rope,
                                             cos_sin).to(out.dtype)
-        else:
-            short = []
+        batched = set(short) if len(short) > 1 else set()
         for i, seq_len in enumerate(md.seq_lens):
-            if i in short:
+            if i in batched:
                 continue
             q = q_all[qsl[i] : qsl[i + 1]]
             k, v = gather_request_kv(kv_cache, md.block_table[i], seq_len, self.head_size)
@@ -182,15 +181,18 @@ class MiniPICTorchImpl(AttentionImpl):
         k = rotate(kv[..., : self.head_size].transpose(0, 1),
                    torch.arange(longest, device=device), cos_sin, rope.rotary_dim,
                    rope.is_neox_style).transpose(0, 1)
+        # Slots past a request's length hold whatever the page held (never written, or
+        # another request's): zero weight times NaN would still be NaN, so zero them.
+        kept = torch.arange(longest, device=device)[None, :] < torch.tensor(seq_lens,
+                                                                             device=device)[:, None]
+        v = torch.where(kept[..., None, None], kv[..., self.head_size:], 0)
         q = q_all.new_zeros(len(requests), most, *q_all.shape[1:])
         visible = torch.zeros(len(requests), most, longest, dtype=torch.bool, device=device)
         for n, (i, t, s) in enumerate(zip(requests, lengths, seq_lens)):
             q[n, :t] = q_all[qsl[i] : qsl[i] + t]
-            rows = md.visible[i] if md.visible is not None else \
-                torch.arange(s, device=device)[None, :] <= torch.arange(s - t, s, device=device)[:, None]
-            visible[n, :t, :s] = rows
+            visible[n, :t, :s] = causal_rows(t, s, device) if md.visible is None else md.visible[i]
             visible[n, t:, 0] = True  # padding rows: any one key, their output is dropped
-        out = attend(q, k, kv[..., self.head_size:], self.scale, self.logits_soft_cap, visible)
+        out = attend(q, k, v, self.scale, self.logits_soft_cap, visible)
         return torch.cat([out[n, :t] for n, t in enumerate(lengths)])
 
 
@@ -214,11 +216,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     at position S - T + t and sees keys 0..S-T+t (cached prefix plus causal), or
     the keys `visible` [T, S] allows (segments.visible_keys).
     """
-    t, s = q.shape[0], k.shape[0]
     if visible is None:
-        q_pos = torch.arange(s - t, s, device=q.device)[:, None]
-        visible = torch.arange(s, device=q.device)[None, :] <= q_pos
+        visible = causal_rows(q.shape[0], k.shape[0], q.device)
     return attend(q[None], k[None], v[None], scale, soft_cap, visible[None])[0]
+
+
+def causal_rows(num_queries: int, num_keys: int, device) -> torch.Tensor:
+    """[T, S] bool: the last T of S positions, each seeing the keys up to itself."""
+    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    return torch.arange(num_keys, device=device)[None, :] <= q_pos
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft_cap: float,
