@@ -8,7 +8,8 @@ positions, so this equals "each span prefilled alone at offset 0, then placed".
 EPIC with links: [header][span 1]..[span N][link 1]..[link N][task]. Link i
 carries span i's head; it sits at the positions of that head and attends to the
 header and, for every earlier document, its link and the rest of its span. The
-task sees the header, every link and every span but the heads the links replace.
+task sees the header, every link and every span but the heads the links replace,
+and stands right after the last span (links take no room in positions).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def epic_mask_and_positions(header: int, spans: list[int], links: list[int], tas
     for keys in context:
         see(own, keys)
     see(own, own, causal=True)
+    positions[own.start:] -= sum(links)  # links take no room: the task follows the spans
     return allowed, positions
 
 

@@ -228,9 +228,10 @@ def epic_prompt(protocol, docs=EPIC_DOCS, task=words(9, 44), recompute_blocks=1)
                 recompute_blocks=recompute_blocks, system=words(20, 45))
 
 
-def epic_reference(reference, prompt, num_docs, link_positions=True):
-    """The reference's greedy tokens for an EPIC prompt; `link_positions=False` puts
-    the links at their physical positions instead (what a broken layout would do)."""
+def epic_reference(reference, prompt, num_docs, link_positions=True, links_take_room=False):
+    """The reference's greedy tokens for an EPIC prompt. What a broken layout would do:
+    `link_positions=False` puts the links at their physical positions instead,
+    `links_take_room=True` pushes the task past the links (its physical position)."""
     header = len(prompt.span_prefills[0])
     spans = [len(s) for s in prompt.span_prefills[1:1 + num_docs]]
     links = [min(len(s), BLOCK_SIZE) for s in prompt.span_prefills[1:1 + num_docs]]
@@ -238,6 +239,8 @@ def epic_reference(reference, prompt, num_docs, link_positions=True):
     allowed, positions = epic_mask_and_positions(header, spans, links, task)
     if not link_positions:
         positions = torch.arange(len(prompt.final))
+    if links_take_room:
+        positions[len(prompt.final) - task:] += sum(links)
     return reference.greedy_masked(prompt.final, allowed, positions, STEPS)
 
 
@@ -255,14 +258,15 @@ def test_epic_hits_every_document_tail_and_matches_the_reference(llm, protocol, 
 
 
 def test_epic_reference_depends_on_link_positions_and_links(reference, protocol):
-    """Guards the reference: links at their physical positions, or no links at all
-    (Block-Attention), give other logprobs than EPIC."""
+    """Guards the reference: links at their physical positions, the task pushed past
+    the links, or no links at all (Block-Attention), give other logprobs than EPIC."""
     prompt = epic_prompt(protocol)
     _, right = epic_reference(reference, prompt, len(EPIC_DOCS))
     _, physical = epic_reference(reference, prompt, len(EPIC_DOCS), link_positions=False)
+    _, pushed = epic_reference(reference, prompt, len(EPIC_DOCS), links_take_room=True)
     block = build(protocol, docs=EPIC_DOCS, system=words(20, 45), task=words(9, 44))
     _, without_links = expected_tokens(reference, block, protocol)
-    for other in (physical, without_links):
+    for other in (physical, pushed, without_links):
         assert max(abs(a - b) for a, b in zip(right, other)) > 10 * LOGPROB_ATOL
 
 

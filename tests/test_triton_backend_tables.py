@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder  # noqa: E402
 
 from minipic.attention import triton_backend as tb  # noqa: E402
-from minipic.attention.segments import SpanLayout, token_shifts, visible_keys  # noqa: E402
+from minipic.attention.segments import token_shifts, visible_keys  # noqa: E402
 from minipic.devtools.paged_attention_case import marker_layout  # noqa: E402
 
 BLOCK = 16
@@ -32,8 +32,7 @@ def builder(monkeypatch):
                         lambda self, *args, **kwargs: SimpleNamespace())
     built = object.__new__(tb.MiniPICTritonMetadataBuilder)
     built.block_size = BLOCK
-    plain = tb._plain_layout(MAX_SEQS, MAX_BLOCKS, BLOCK, "cpu")
-    built.span_of, built.context_pos = plain.span_of, plain.context_pos
+    built.tables = tb._plain_layout(MAX_SEQS, MAX_BLOCKS, BLOCK, "cpu")
     return built
 
 
@@ -54,22 +53,26 @@ def test_plain_batches_launch_without_tables(builder, monkeypatch):
 
 
 def test_a_link_batch_gets_its_tables_and_token_shifts(builder, monkeypatch):
-    markers = ["-S-S-LLP", "-SL"]
+    markers = ["-S-S-LLP", "-SLP"]
     md = build(builder, monkeypatch, markers, [42, 3], [122, 43])
     layout = marker_layout(markers, MAX_BLOCKS, BLOCK)
-    assert torch.equal(md.minipic_span_of[:2], layout.span_of)
-    assert torch.equal(md.minipic_context_pos[:2], layout.context_pos)
+    assert torch.equal(md.minipic_tables.span_of[:2], layout.span_of)
+    assert torch.equal(md.minipic_tables.context_pos[:2], layout.context_pos)
+    # links end after blocks 6 and 2; two link blocks and one
+    assert md.minipic_tables.links_end[:2].tolist() == [7 * BLOCK, 3 * BLOCK]
+    assert md.minipic_tables.link_tokens[:2].tolist() == [2 * BLOCK, BLOCK]
     assert torch.equal(md.minipic_token_shift,
                        token_shifts(layout, [0, 42, 45], [122, 43], BLOCK))
     assert md.minipic_token_shift.any()
     tables = tb._span_tables(md)
-    assert tables["span_of"] is builder.span_of and tables["segment_block_size"] == BLOCK
+    assert tables["span_of"] is builder.tables.span_of and tables["segment_block_size"] == BLOCK
+    assert tables["links_end"] is builder.tables.links_end
 
 
 def test_a_plain_batch_rewrites_the_rows_a_link_batch_left(builder, monkeypatch):
     build(builder, monkeypatch, ["-S-S-LLP", "-SL"], [42, 3], [122, 43])
     build(builder, monkeypatch, ["", ""], [5, 1], [40, 17])
-    # What a captured graph would read now: plain causal attention.
-    tables = SpanLayout(builder.span_of, builder.context_pos, torch.zeros_like(builder.span_of))
-    seen = visible_keys(tables, 0, 122, 122, BLOCK)
+    # What a captured graph would read now: plain causal attention, no links.
+    seen = visible_keys(builder.tables, 0, 122, 122, BLOCK)
     assert torch.equal(seen, torch.ones(122, 122, dtype=torch.bool).tril())
+    assert not builder.tables.links_end.any() and not builder.tables.link_tokens.any()

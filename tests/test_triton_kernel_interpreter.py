@@ -138,8 +138,7 @@ def _run_case(name: str) -> float:
 def _span_tables(case) -> dict:
     if case.layout is None:
         return {}
-    return dict(span_of=case.layout.span_of, context_pos=case.layout.context_pos,
-                segment_block_size=case.block_size)
+    return case.layout.kernel_tables(case.block_size)
 
 
 def _set_every_logit(case, logit: float) -> None:
@@ -199,7 +198,8 @@ def _run_backend_forward(name: str) -> float | str:
 def _run_backend_links() -> float | str:
     """Child process: link tokens through MiniPICTritonImpl.do_kv_cache_update and forward,
     against attention computed at the tokens' logical positions (each link token at its
-    index minus its shift) under segments.visible_keys: no turn-back in the reference."""
+    index minus its shift, the task after the links minus the link tokens) under
+    segments.visible_keys: no turn-back in the reference."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -255,7 +255,7 @@ def _run_backend_links() -> float | str:
         seq_lens=case.seq_lens, max_query_len=case.max_seqlen_q, block_table=case.block_table,
         causal=True, mm_prefix_range_tensor=None, seq_threshold_3D=8,
         softmax_segm_output=segm[0], softmax_segm_max=segm[1], softmax_segm_expsum=segm[2],
-        minipic_span_of=layout.span_of, minipic_context_pos=layout.context_pos,
+        minipic_tables=layout,
         minipic_has_spans=True, minipic_segment_block_size=bs,
         minipic_token_shift=token_shifts(layout, starts, seq_lens, bs))
     out = torch.full_like(query, float("nan"))
@@ -264,6 +264,7 @@ def _run_backend_links() -> float | str:
     ref = torch.empty(query.shape, dtype=torch.float64)
     for i, n in enumerate(seq_lens):
         logical = torch.arange(n) - shift[i]
+        logical[int(layout.links_end[i]):] -= int(layout.link_tokens[i])  # links take no room
         q_len = case.query_lens[i]
         q = rotate(q_raw[starts[i]: starts[i + 1]], logical[n - q_len:], case.cos_sin,
                    case.rotary_dim, case.is_neox).double()

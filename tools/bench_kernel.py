@@ -40,6 +40,7 @@ import triton
 
 from minipic.attention import triton_kernel as tk
 from minipic.attention.rotation import rotate
+from minipic.attention.segments import SpanLayout
 from minipic.devtools.paged_attention_case import relative_error, rope_table
 
 Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
@@ -133,6 +134,7 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
     span_of = torch.full(table.shape, -1, dtype=torch.int32, device="cuda")
     context_pos = (torch.arange(table.shape[1], dtype=torch.int32, device="cuda") * BLOCK
                    ).expand(table.shape).contiguous()
+    plain = SpanLayout(span_of, context_pos, torch.zeros_like(span_of))
 
     def minipic(k=pool.k, mode=None, config=None, segments=True):
         if config is None:
@@ -145,8 +147,7 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
             block_table=table, softmax_scale=scale, cos_sin=pool.cos_sin, rotary_dim=HEAD,
             is_neox_style=True, segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
             seq_threshold_3d=SEQ_THRESHOLD_3D, config=config,
-            span_of=span_of if segments else None,
-            context_pos=context_pos if segments else None, segment_block_size=BLOCK)
+            **(plain.kernel_tables(BLOCK) if segments else {}))
 
     def fa3():
         flash_attn_varlen_func(

@@ -6,15 +6,20 @@ import torch
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-           rotary_dim: int, is_neox_style: bool, backwards: bool = False) -> torch.Tensor:
+           rotary_dim: int, is_neox_style: bool, backwards: bool = False,
+           pure: bool = False) -> torch.Tensor:
     """Apply RoPE to `x` [tokens, ..., heads, head_size] at `positions` [tokens].
 
     `cos_sin` is [max_positions, rotary_dim] = cat(cos, sin), as in vLLM's
     `cos_sin_cache`. Dimensions past `rotary_dim` pass through. Returns fp32.
     `backwards` rotates by -positions (R(p) is orthogonal: its inverse is R(-p)).
+    `pure` divides out a scale the table folds into its rows (see turn_back).
     """
     x = x.float()
     cos, sin = cos_sin.index_select(0, positions.long()).float().chunk(2, dim=-1)
+    if pure:
+        scale = cos_sin[0, : cos.shape[-1]].float()  # row 0 is (a, 0): a = 1 without mscale
+        cos, sin = cos / scale, sin / scale
     if backwards:
         sin = -sin
     shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
@@ -33,5 +38,8 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
 
 def turn_back(x: torch.Tensor, shifts: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
               is_neox_style: bool) -> torch.Tensor:
-    """Rotate `x` [tokens, heads, head_size] by -shifts [tokens] (fp32)."""
-    return rotate(x, shifts, cos_sin, rotary_dim, is_neox_style, backwards=True)
+    """Rotate `x` [tokens, heads, head_size] by -shifts [tokens] (fp32).
+
+    A pure rotation: a table that folds a scale into its rows (a*cos, a*sin, as YaRN's
+    mscale does; row 0 is then (a, 0)) has it divided out, so x keeps its norm."""
+    return rotate(x, shifts, cos_sin, rotary_dim, is_neox_style, backwards=True, pure=True)

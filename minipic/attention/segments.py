@@ -93,14 +93,42 @@ class SpanLayout:
     shift[r, b]        physical minus logical position of b's tokens: non-zero for
                        link blocks only. Their Q and K are turned back by it, so K
                        stays position-free at its physical index.
+    links_end[r]       the token index where request r's last link block ends (0: no
+                       links), and
+    link_tokens[r]     how many link tokens its prompt holds. Links take no room: a
+                       query at or past links_end stands link_tokens positions earlier
+                       than its index, so the task sits right after the last document
+                       as in the plain prompt (measured: SmolLM2 answers twice as often
+                       as with the task pushed past the links, docs/accuracy.md). Its
+                       keys before links_end are seen link_tokens positions nearer; the
+                       keys at or past it keep their distances.
     """
 
     span_of: torch.Tensor
     context_pos: torch.Tensor
     shift: torch.Tensor
+    links_end: torch.Tensor | None = None  # [reqs] int32; None: zeros (no links)
+    link_tokens: torch.Tensor | None = None
     # [reqs, tokens] bool, with mask_markers only: marker and padding keys of the
     # prompt, which no query but their own sees.
     quiet: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        rows = self.span_of.shape[0]
+        for name in ("links_end", "link_tokens"):
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros(rows, dtype=torch.int32,
+                                                device=self.span_of.device))
+
+    def kernel_tables(self, block_size: int) -> dict[str, Any]:
+        """The Triton kernel's arguments for these tables (triton_kernel.unified_attention_rope)."""
+        return dict(span_of=self.span_of, context_pos=self.context_pos,
+                    links_end=self.links_end, link_tokens=self.link_tokens,
+                    segment_block_size=block_size)
+
+    def to(self, device: torch.device | str) -> "SpanLayout":
+        return SpanLayout(*(t.to(device) for t in (self.span_of, self.context_pos, self.shift,
+                                                   self.links_end, self.link_tokens)))
 
     def has_links(self) -> bool:
         return bool(self.shift.any())
@@ -144,8 +172,11 @@ def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_
     hidden = torch.zeros(num_reqs, num_blocks + 1, dtype=torch.bool, device=firsts.device)
     hidden.scatter_(1, torch.where(in_link, carried, num_blocks), True)
     context_pos = torch.where(hidden[:, :num_blocks], HIDDEN, context_block * block_size)
+    links_end = (torch.where(in_link, block + 1, 0).amax(dim=1) * block_size).to(torch.int32)
+    link_tokens = (in_link.sum(dim=1) * block_size).to(torch.int32)
     return SpanLayout(span_of.to(torch.int32), context_pos.to(torch.int32),
-                      ((block - context_block) * block_size).to(torch.int32))
+                      ((block - context_block) * block_size).to(torch.int32),
+                      links_end, link_tokens)
 
 
 def _carried_span_block(block, last_index, is_ssep, is_link, in_link) -> torch.Tensor:

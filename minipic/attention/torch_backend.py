@@ -28,7 +28,7 @@ from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAtte
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, turn_back_links
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.rotation import rotate
+from minipic.attention.rotation import rotate, turn_back
 from minipic.attention.segments import SpanLayout, current_layout, token_shifts, visible_keys
 
 
@@ -161,8 +161,9 @@ class MiniPICTorchImpl(AttentionImpl):
             k = rotate(k, torch.arange(seq_len, device=k.device), cos_sin,
                        rope.rotary_dim, rope.is_neox_style)
             visible = None if md.visible is None else md.visible[i]
+            near = links_take_no_room(q, md.layout, i, seq_len, rope, cos_sin)
             out[qsl[i] : qsl[i + 1]] = causal_attention(
-                q, k, v, self.scale, self.logits_soft_cap, visible).to(out.dtype)
+                q, k, v, self.scale, self.logits_soft_cap, visible, near).to(out.dtype)
         return output
 
     def _short_queries(self, q_all: torch.Tensor, kv_cache: torch.Tensor,
@@ -188,11 +189,18 @@ class MiniPICTorchImpl(AttentionImpl):
         v = torch.where(kept[..., None, None], kv[..., self.head_size:], 0)
         q = q_all.new_zeros(len(requests), most, *q_all.shape[1:])
         visible = torch.zeros(len(requests), most, longest, dtype=torch.bool, device=device)
+        q_near, near_keys = q.clone(), torch.zeros(len(requests), longest, dtype=torch.bool,
+                                                   device=device)
         for n, (i, t, s) in enumerate(zip(requests, lengths, seq_lens)):
             q[n, :t] = q_all[qsl[i] : qsl[i] + t]
             visible[n, :t, :s] = causal_rows(t, s, device) if md.visible is None else md.visible[i]
             visible[n, t:, 0] = True  # padding rows: any one key, their output is dropped
-        out = attend(q, k, v, self.scale, self.logits_soft_cap, visible)
+            near = links_take_no_room(q[n, :t], md.layout, i, s, rope, cos_sin)
+            q_near[n, :t] = q[n, :t] if near is None else near[0]
+            if near is not None:
+                near_keys[n, : near[1]] = True
+        out = attend(q, k, v, self.scale, self.logits_soft_cap, visible,
+                     (q_near, near_keys) if near_keys.any() else None)
         return torch.cat([out[n, :t] for n, t in enumerate(lengths)])
 
 
@@ -208,17 +216,37 @@ def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: 
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     soft_cap: float = 0.0, visible: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     soft_cap: float = 0.0, visible: torch.Tensor | None = None,
+                     near: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Attention of the last len(q) positions over all len(k) keys, fp32.
 
     q [T, Hq, D] (rotated), k [S, Hkv, D] (rotated), v [S, Hkv, D]; query t sits
     at position S - T + t and sees keys 0..S-T+t (cached prefix plus causal), or
-    the keys `visible` [T, S] allows (segments.visible_keys).
+    the keys `visible` [T, S] allows (segments.visible_keys). `near` (q_near, n):
+    the keys before n are scored with q_near (links_take_no_room).
     """
     if visible is None:
         visible = causal_rows(q.shape[0], k.shape[0], q.device)
-    return attend(q[None], k[None], v[None], scale, soft_cap, visible[None])[0]
+    pair = None
+    if near is not None:
+        near_keys = torch.arange(k.shape[0], device=q.device)[None, :] < near[1]
+        pair = (near[0][None], near_keys)
+    return attend(q[None], k[None], v[None], scale, soft_cap, visible[None], pair)[0]
+
+
+def links_take_no_room(q: torch.Tensor, layout: SpanLayout | None, row: int, seq_len: int,
+                       rope, cos_sin: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(q_near, links_end) for request `row`'s queries q [T, Hq, D] (the last T of
+    seq_len), None when it has no links. Queries at or past links_end stand link_tokens
+    positions earlier (SpanLayout): against the keys before links_end they score
+    rotated back by link_tokens; the other queries score as they are."""
+    if layout is None or layout.link_tokens is None or int(layout.link_tokens[row]) == 0:
+        return None
+    end, room = int(layout.links_end[row]), int(layout.link_tokens[row])
+    after = torch.arange(seq_len - q.shape[0], seq_len, device=q.device) >= end
+    back = turn_back(q, torch.full((q.shape[0],), room, device=q.device), cos_sin,
+                     rope.rotary_dim, rope.is_neox_style)
+    return torch.where(after[:, None, None], back, q.float()), end
 
 
 def causal_rows(num_queries: int, num_keys: int, device) -> torch.Tensor:
@@ -228,13 +256,21 @@ def causal_rows(num_queries: int, num_keys: int, device) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft_cap: float,
-           visible: torch.Tensor) -> torch.Tensor:
+           visible: torch.Tensor,
+           near: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Batched masked attention in fp32: q [N, T, Hq, D], k and v [N, S, Hkv, D],
-    visible [N, T, S] -> [N, T, Hq, D]."""
+    visible [N, T, S] -> [N, T, Hq, D]. `near` (q_near like q, keys [N, S] bool): those
+    keys are scored with q_near instead of q."""
     n, t, num_heads, d = q.shape
     kv_heads = k.shape[2]  # GQA/MQA: query heads come in groups, one per kv head
-    q = q.float().view(n, t, kv_heads, num_heads // kv_heads, d)
-    scores = torch.einsum("ntkgd,nskd->nkgts", q, k.float()) * scale
+
+    def score(queries: torch.Tensor) -> torch.Tensor:
+        grouped = queries.float().view(n, t, kv_heads, num_heads // kv_heads, d)
+        return torch.einsum("ntkgd,nskd->nkgts", grouped, k.float()) * scale
+
+    scores = score(q)
+    if near is not None:
+        scores = torch.where(near[1][:, None, None, None, :], score(near[0]), scores)
     if soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))

@@ -78,8 +78,8 @@ class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
 
     """vLLM's Triton metadata plus minipic's span tables and link shifts (segments.py).
 
-    Sets on the metadata: `minipic_span_of` / `minipic_context_pos` (static buffers,
-    rows of this batch rewritten each build), `minipic_has_spans` (the batch has
+    Sets on the metadata: `minipic_tables` (a SpanLayout of static buffers, rows of
+    this batch rewritten each build), `minipic_has_spans` (the batch has
     markers: the kernel applies the tables), `minipic_token_shift` (per token link
     shifts, None without links) and `minipic_segment_block_size`."""
 
@@ -89,9 +89,8 @@ class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         max_blocks = -(-vllm_config.model_config.max_model_len // self.block_size)
         # Static: CUDA graphs capture their addresses; each build rewrites its rows.
         # They start as plain causal attention (no span, context position = index).
-        plain = _plain_layout(vllm_config.scheduler_config.max_num_seqs, max_blocks,
-                              self.block_size, device)
-        self.span_of, self.context_pos = plain.span_of, plain.context_pos
+        self.tables = _plain_layout(vllm_config.scheduler_config.max_num_seqs, max_blocks,
+                                    self.block_size, device)
 
     def _enlarge_split_kv_buffers(self) -> None:
         """vLLM sizes them for decode batches (seq_threshold_3D tokens); minipic's kernel
@@ -113,8 +112,7 @@ class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
             # Plain batches too: a full CUDA graph captured with the tables reads them.
             self._fill_tables(layout)
         has_spans = layout is not None and not layout.is_plain()
-        metadata.minipic_span_of = self.span_of
-        metadata.minipic_context_pos = self.context_pos
+        metadata.minipic_tables = self.tables
         metadata.minipic_has_spans = has_spans
         metadata.minipic_token_shift = _link_shifts(m, layout, self.block_size) if has_spans \
             else None
@@ -122,10 +120,13 @@ class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         return metadata
 
     def _fill_tables(self, layout: SpanLayout) -> None:
+        static = self.tables
         reqs = layout.span_of.shape[0]
-        blocks = min(layout.span_of.shape[1], self.span_of.shape[1])  # past max_model_len: unread
-        self.span_of[:reqs, :blocks].copy_(layout.span_of[:, :blocks], non_blocking=True)
-        self.context_pos[:reqs, :blocks].copy_(layout.context_pos[:, :blocks], non_blocking=True)
+        blocks = min(layout.span_of.shape[1], static.span_of.shape[1])  # past max_model_len: unread
+        static.span_of[:reqs, :blocks].copy_(layout.span_of[:, :blocks], non_blocking=True)
+        static.context_pos[:reqs, :blocks].copy_(layout.context_pos[:, :blocks], non_blocking=True)
+        static.links_end[:reqs].copy_(layout.links_end, non_blocking=True)
+        static.link_tokens[:reqs].copy_(layout.link_tokens, non_blocking=True)
 
 
 class MiniPICTritonImpl(TritonAttentionImpl):
@@ -235,12 +236,11 @@ def _span_tables(md) -> dict:
     """The kernel's span-table arguments: none for a batch without markers (the
     stock-shaped launch), except under CUDA graph capture, whose launch is replayed
     for later batches that may have markers (the tables then hold each batch's rows)."""
-    if getattr(md, "minipic_span_of", None) is None:
+    if getattr(md, "minipic_tables", None) is None:
         return {}  # metadata not built by MiniPICTritonMetadataBuilder (unit tests)
     if not md.minipic_has_spans and not _capturing():
         return {}
-    return dict(span_of=md.minipic_span_of, context_pos=md.minipic_context_pos,
-                segment_block_size=md.minipic_segment_block_size)
+    return md.minipic_tables.kernel_tables(md.minipic_segment_block_size)
 
 
 def _token_shift(md) -> torch.Tensor | None:

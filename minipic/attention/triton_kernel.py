@@ -132,6 +132,18 @@ def _span_visible(q_span, q_context, k_span, k_context):
 
 
 @triton.jit
+def _turned_back(q1, q2, cos_sin_ptr, cos_sin_stride, room, offs_r, r_mask,
+                 ROT_HALF: tl.constexpr):
+    """The query pairs rotated by -room (fp32 math; the table's row 0 scale divided out)."""
+    row = cos_sin_ptr + room.to(tl.int64) * cos_sin_stride + offs_r
+    inv_a = 1.0 / tl.load(cos_sin_ptr + offs_r, mask=r_mask, other=1.0)
+    cos = (tl.load(row, mask=r_mask, other=1.0) * inv_a)[None, :]
+    sin = (tl.load(row + ROT_HALF, mask=r_mask, other=0.0) * inv_a)[None, :]
+    a, b = q1.to(tl.float32), q2.to(tl.float32)
+    return (a * cos + b * sin).to(q1.dtype), (b * cos - a * sin).to(q1.dtype)
+
+
+@triton.jit
 def minipic_attention_kernel(
     out_ptr,  # [tokens, q_heads, head_size]
     q_ptr,  # [tokens, q_heads, head_size], rotated
@@ -143,6 +155,8 @@ def minipic_attention_kernel(
     query_start_loc_ptr,  # [seqs + 1]
     span_of_ptr,  # HAS_SEGMENTS: [seqs, blocks] int32, segments.SpanLayout.span_of
     context_pos_ptr,  # HAS_SEGMENTS: [seqs, blocks] int32, SpanLayout.context_pos
+    links_end_ptr,  # HAS_SEGMENTS: [seqs] int32, SpanLayout.links_end
+    link_tokens_ptr,  # HAS_SEGMENTS: [seqs] int32, SpanLayout.link_tokens
     segm_out_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32
     segm_max_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
     segm_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
@@ -254,6 +268,15 @@ def minipic_attention_kernel(
         seg_row = seq_idx.to(tl.int64) * seg_stride
         q_span, q_context = _span_and_context(span_of_ptr, context_pos_ptr, seg_row,
                                               query_abs_pos, row_mask, SEG_BLOCK)
+        # Links take no room (SpanLayout.links_end): queries at or past links_end score
+        # the keys before it with Q turned back by link_tokens; 0 without links.
+        links_end = tl.load(links_end_ptr + seq_idx)
+        q1_back, q2_back = _turned_back(q1, q2, cos_sin_ptr, cos_sin_stride,
+                                        tl.load(link_tokens_ptr + seq_idx), offs_r, r_mask,
+                                        ROT_HALF)
+        after_links = (query_abs_pos >= links_end)[:, None]
+        q1_near = tl.where(after_links, q1_back, q1)
+        q2_near = tl.where(after_links, q2_back, q2)
 
     # Keys this program reads: the causal bound, and its segment's end in 3D.
     kv_end = tl.minimum(kv_hi, tile_hi * TILE_SIZE)
@@ -305,6 +328,11 @@ def minipic_attention_kernel(
 
         S = tl.dot(q1, k1)
         S = tl.dot(q2, k2, S)
+        if HAS_SEGMENTS:
+            if j * TILE_SIZE < links_end:  # the tile holds keys before the links' end
+                S_near = tl.dot(q1_near, k1)
+                S_near = tl.dot(q2_near, k2, S_near)
+                S = tl.where((offs_t < links_end)[None, :], S_near, S)
         if PASS_SIZE > 0:
             k3 = tl.load(k_base[None, :] + dim_p[:, None] * k_stride_3,
                          mask=p_mask[:, None] & t_mask[None, :], other=0.0)
@@ -510,6 +538,8 @@ def unified_attention_rope(
     span_of: torch.Tensor | None = None,
     context_pos: torch.Tensor | None = None,
     segment_block_size: int | None = None,
+    links_end: torch.Tensor | None = None,
+    link_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of rotated `q` over unrotated K, rotating K per tile.
 
@@ -525,7 +555,9 @@ def unified_attention_rope(
     `angle_addition_holds` rejects.
     `span_of` and `context_pos` [seqs, blocks] int32 (segments.SpanLayout, indexed
     by `segment_block_size`-token blocks, same strides) apply the span and link
-    rules of segments.visible_keys per tile; without them (HAS_SEGMENTS off) the
+    rules of segments.visible_keys per tile, and `links_end` / `link_tokens` [seqs]
+    int32 (SpanLayout: queries past a request's links score the keys before them
+    link_tokens positions nearer); without them (HAS_SEGMENTS off) the
     launch is plain causal attention and reads no table. Link tokens' Q and K must
     already be turned back (attention.links): the kernel rotates keys by index.
     """
@@ -558,11 +590,13 @@ def unified_attention_rope(
     else:
         num_segments = 1
         grid = (num_q_blocks, num_kv_heads)
-    has_segments = _check_span_tables(span_of, context_pos)
+    has_segments = _check_span_tables(span_of, context_pos, links_end, link_tokens, num_seqs)
     minipic_attention_kernel[grid](
         out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
         span_of if has_segments else block_table,  # any pointer when unused
         context_pos if has_segments else block_table,
+        links_end if has_segments else seqused_k,
+        link_tokens if has_segments else seqused_k,
         segm_output, segm_max, segm_expsum,
         softmax_scale * _LOG2E, num_seqs,
         block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -603,18 +637,28 @@ def unified_attention_rope(
     return out
 
 
-def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor | None) -> bool:
-    """Whether the launch has span tables; both or neither, int32, one shape and stride."""
-    if span_of is None and context_pos is None:
+def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor | None,
+                       links_end: torch.Tensor | None, link_tokens: torch.Tensor | None,
+                       num_seqs: int) -> bool:
+    """Whether the launch has span tables; all or none, int32, the block tables of one
+    shape and stride, the link rows [>= seqs]."""
+    tables = (span_of, context_pos, links_end, link_tokens)
+    if all(t is None for t in tables):
         return False
-    if span_of is None or context_pos is None:
-        raise ValueError("span_of and context_pos come together (segments.SpanLayout)")
+    if any(t is None for t in tables):
+        raise ValueError("span_of, context_pos, links_end and link_tokens come together "
+                         "(segments.SpanLayout)")
     for table in (span_of, context_pos):
         if table.dtype != torch.int32 or table.dim() != 2 or table.stride(1) != 1:
             raise ValueError(f"span tables must be int32 [seqs, blocks] with unit stride on "
                              f"blocks, got {table.dtype} {tuple(table.shape)} {table.stride()}")
     if span_of.shape != context_pos.shape or span_of.stride() != context_pos.stride():
         raise ValueError("span_of and context_pos must share shape and strides")
+    for table in (links_end, link_tokens):
+        if table.dtype != torch.int32 or table.dim() != 1 or table.shape[0] < num_seqs \
+                or table.stride(0) != 1:
+            raise ValueError(f"links_end and link_tokens must be int32 [>= {num_seqs}] and "
+                             f"contiguous, got {table.dtype} {tuple(table.shape)}")
     return True
 
 

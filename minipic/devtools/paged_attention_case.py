@@ -140,8 +140,7 @@ def marker_layout(markers: list[str], min_blocks: int, block_size: int,
     """The SpanLayout of requests whose blocks start as `markers` says (see make_case)."""
     width = max(min_blocks, *map(len, markers))
     firsts = [[MARKER_TOKENS[c] for c in row.ljust(width, "-")] for row in markers]
-    found = span_layout(torch.tensor(firsts), MARKERS, block_size)
-    return SpanLayout(*(t.to(device) for t in (found.span_of, found.context_pos, found.shift)))
+    return span_layout(torch.tensor(firsts), MARKERS, block_size).to(device)
 
 
 def reference_attention(case: PagedCase) -> torch.Tensor:
@@ -157,18 +156,31 @@ def reference_attention(case: PagedCase) -> torch.Tensor:
         k = case.k_cache[blocks].flatten(0, 1)[:seq_len]
         v = case.v_cache[blocks].flatten(0, 1)[:seq_len].double()
         pos = torch.arange(seq_len, device=k.device)
-        k = rotate(k, pos, case.cos_sin, case.rotary_dim, case.is_neox).double()
-        group = num_q_heads // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        q = case.q[starts[i]: starts[i + 1]].double()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
         q_pos = ctx + torch.arange(q_len, device=k.device)
+        q = case.q[starts[i]: starts[i + 1]].double()
+        scores = _scores(q, k, pos, case)
+        if case.layout is not None and int(case.layout.link_tokens[i]):
+            # Links take no room: a query past them sees the keys before them this much nearer.
+            end, room = int(case.layout.links_end[i]), int(case.layout.link_tokens[i])
+            near = _scores(q, k, pos + room, case)
+            pick = (q_pos[:, None] >= end) & (pos[None, :] < end)
+            scores = torch.where(pick[None], near, scores)
+        group = num_q_heads // k.shape[1]
+        v = v.repeat_interleave(group, 1)
         visible = pos[None, :] <= q_pos[:, None]
         if case.layout is not None:  # the torch backend's rule
             visible = visible_keys(case.layout, i, seq_len, q_len, bs)
         scores = scores.masked_fill(~visible, float("-inf"))
         out[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, key_pos: torch.Tensor, case: PagedCase
+            ) -> torch.Tensor:
+    """[heads, queries, keys] scaled scores, the keys rotated to `key_pos` (fp64)."""
+    k = rotate(k, key_pos, case.cos_sin, case.rotary_dim, case.is_neox).double()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    return torch.einsum("qhd,khd->hqk", q, k) * case.scale
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -51,8 +51,7 @@ def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D, buffer_tokens=Non
 def span_tables(case) -> dict:
     if case.layout is None:
         return {}
-    return dict(span_of=case.layout.span_of, context_pos=case.layout.context_pos,
-                segment_block_size=case.block_size)
+    return case.layout.kernel_tables(case.block_size)
 
 
 def check(batch, *, num_q_heads=8, num_kv_heads=2, head_size=128, rotary_dim=None,
@@ -258,11 +257,15 @@ def test_cuda_graph_replay_reads_span_tables():
     span_of = torch.full_like(case.layout.span_of, -1)
     context_pos = (torch.arange(span_of.shape[1], dtype=torch.int32, device="cuda") * 16
                    ).expand(span_of.shape).contiguous()
+    links_end, link_tokens = (torch.zeros_like(case.layout.links_end) for _ in range(2))
     out = torch.empty_like(case.q)
     graph, _buffers = captured_decode(case, out, span_of=span_of, context_pos=context_pos,
+                                      links_end=links_end, link_tokens=link_tokens,
                                       segment_block_size=16)
-    span_of.copy_(case.layout.span_of)
-    context_pos.copy_(case.layout.context_pos)
+    for static, found in ((span_of, case.layout.span_of), (context_pos, case.layout.context_pos),
+                          (links_end, case.layout.links_end),
+                          (link_tokens, case.layout.link_tokens)):
+        static.copy_(found)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

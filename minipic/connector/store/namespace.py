@@ -72,6 +72,9 @@ def namespace_fields(*, model: str, model_fingerprint: str, dtype: str, block_si
         "format": STORE_FORMAT,
         "format_version": FORMAT_VERSION,
         "k_format": "unrotated",  # RoPE is applied inside attention, never stored
+        # Tokens after EPIC links stand where the plain prompt puts them (SpanLayout):
+        # their KV differs from stores written when links took room.
+        "link_positions": "links take no room",
         "model": model,
         "model_fingerprint": model_fingerprint,
         "dtype": dtype,
