@@ -121,7 +121,7 @@ def make_case(query_lens: list[int], context_lens: list[int], *, num_q_heads: in
 
     cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-    max_pos = max(seq_lens) + 64
+    max_pos = 2 * max(seq_lens) + 64  # the reference rotates keys up to 2x further (links)
     return PagedCase(
         q=randn(int(cu[-1]), num_q_heads, head_size).to(device),
         k_cache=k_cache.to(device), v_cache=v_cache.to(device),
