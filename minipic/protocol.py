@@ -134,7 +134,9 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
     least as long. Anything else would leave link tokens without a position. No PDep
     block may sit between a span and its link: attention hides the span's head from
     every query outside spans, which there would precede the link standing for it
-    (and its KV would depend on a later block its hash does not cover)."""
+    (and its KV would depend on a later block its hash does not cover). The links
+    form one run: what follows them stands as many positions earlier as they hold
+    (segments.SpanLayout), which a second run would make depend on later blocks."""
     if protocol.link_token_id is None:
         return
     firsts = list(block_first_tokens)
@@ -143,6 +145,7 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
     links = 0
     kind = None
     link_start = 0
+    run_ended = False  # a link run was followed by another marker
     for block, first in enumerate(firsts + [protocol.pdep_token_id]):
         if first == protocol.pdep_token_id and block < len(firsts) \
                 and links < min(len(spans), total_links):
@@ -153,7 +156,13 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
         if first in protocol.markers:
             if kind == "link":
                 _check_link_fits(links, block - link_start, spans, link_start, block_size)
+                run_ended = first != protocol.link_token_id
             kind = {protocol.ssep_token_id: "span", protocol.link_token_id: "link"}.get(first)
+            if kind == "link" and run_ended and block < len(firsts):
+                raise MisplacedMarkerError(
+                    f"prompt token {block * block_size} starts a second run of link blocks: "
+                    "a prompt's links follow one another after its spans (as "
+                    "minipic.client.epic lays them out)")
             if kind == "span":
                 spans.append(0)
             elif kind == "link":

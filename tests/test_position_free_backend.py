@@ -215,19 +215,20 @@ def test_batched_short_queries_ignore_stale_cache_slots():
 
 
 @pytest.mark.parametrize("mscale", [1.0, 1.3], ids=["plain_table", "mscale_table"])
-def test_links_take_no_room_in_both_query_paths(mscale):
+def test_links_take_no_room_in_both_query_paths(mscale, monkeypatch):
     """EPIC layouts through the torch backend's per-request path (a 42-token link and
-    task chunk) and its batched short-query path (two decodes after links), against the
-    paged reference: queries past the links see every key before them `link_tokens`
-    positions nearer (segments.SpanLayout). Link Q is taken as already turned back."""
+    task chunk) and its batched short-query path (two decodes after links, batched with
+    a decode without links), against the paged reference: queries past the links see
+    every key before them `link_tokens` positions nearer (segments.SpanLayout). Link Q
+    is taken as already turned back."""
     from minipic.attention import torch_backend as tb
     from minipic.attention.segments import visible_keys
     from minipic.devtools.paged_attention_case import make_case, reference_attention
 
-    case = make_case([42, 1, 1], [80, 121, 60], num_q_heads=4, num_kv_heads=2, head_size=16,
-                     dtype=torch.float32, block_size=16, mscale=mscale, seed=3,
-                     markers=["-S-S-LLP", "-S-S-LLP", "-SLP"])
-    assert case.layout.link_tokens.tolist() == [32, 32, 16]
+    case = make_case([42, 1, 1, 1], [80, 121, 60, 70], num_q_heads=4, num_kv_heads=2,
+                     head_size=16, dtype=torch.float32, block_size=16, mscale=mscale, seed=3,
+                     markers=["-S-S-LLP", "-S-S-LLP", "-SLP", "-S-SP"])
+    assert case.layout.link_tokens.tolist() == [32, 32, 16, 0]
     kv_cache = torch.cat((case.k_cache, case.v_cache), dim=-1).transpose(1, 2).nan_to_num()
     seq_lens, starts = case.seq_lens.tolist(), case.cu_seqlens_q.tolist()
     md = tb.MiniPICTorchMetadata(
@@ -238,11 +239,7 @@ def test_links_take_no_room_in_both_query_paths(mscale):
     impl = object.__new__(tb.MiniPICTorchImpl)
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = 4, 16, case.scale, 0.0
     rope = SimpleNamespace(rotary_dim=16, is_neox_style=True, cos_sin=lambda device: case.cos_sin)
-    tb.current_rope, saved = (lambda: rope), tb.current_rope
-    try:
-        out = torch.empty_like(case.q)
-        impl.forward(None, case.q, None, None, kv_cache, md, out)
-    finally:
-        tb.current_rope = saved
-    ref = reference_attention(case)
-    assert torch.allclose(out.double(), ref, atol=1e-5)
+    monkeypatch.setattr(tb, "current_rope", lambda: rope)
+    out = torch.empty_like(case.q)
+    impl.forward(None, case.q, None, None, kv_cache, md, out)
+    assert torch.allclose(out.double(), reference_attention(case), atol=1e-5)

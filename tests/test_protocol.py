@@ -59,3 +59,12 @@ def test_a_pdep_block_between_a_span_and_its_link_is_refused():
         P.check_marker_placement(blocks(1, 3, 9, 4, 6, 4), B)
     P.check_marker_placement(blocks(1, 3, 6, 3, 4), B)  # span 2 has no link: fine
     P.check_marker_placement(blocks(1, 3, 3, 6, 6, 4, 9), B)  # links, then the task
+
+
+def test_a_second_run_of_links_is_refused():
+    """What follows the links stands as many positions earlier as they hold: a second
+    run would move tokens whose KV an earlier prompt already computed and cached."""
+    with pytest.raises(MisplacedMarkerError, match="prompt token 8 starts a second run of "
+                                                   "link blocks"):
+        P.check_marker_placement(blocks(1, 3, 6, 3, 6, 4), B)
+    P.check_marker_placement(blocks(1, 3, 9, 3, 6, 9, 6, 4, 9), B)  # one run, link 1 of 2 blocks

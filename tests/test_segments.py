@@ -50,6 +50,18 @@ def test_links_carry_their_spans_heads():
     assert found.context_pos.tolist() == [[0, HIDDEN, 32, HIDDEN, HIDDEN, 80,
                                            16, 48, 64, 144]]
     assert found.shift.tolist() == [[0, 0, 0, 0, 0, 0, 80, 64, 64, 0]]
+    # links take no room: the task (block 9) stands 48 tokens earlier than its index
+    assert found.links_end.tolist() == [144] and found.link_tokens.tolist() == [48]
+
+
+def test_without_links_nothing_moves_and_only_prompt_links_count():
+    found = layout([1, 3, 9, 3, 4, 9], block_size=16)
+    assert found.links_end.tolist() == [0] and found.link_tokens.tolist() == [0]
+    # a prompt of 5 blocks ending inside its 2-block link: the blocks after it (generated)
+    # are not links
+    ends_in_link = span_layout(torch.tensor([[1, 3, 9, 6, 9, 9, 9]]), P, 16,
+                               prompt_lens=torch.tensor([80]))
+    assert ends_in_link.links_end.tolist() == [80] and ends_in_link.link_tokens.tolist() == [32]
 
 
 def test_link_queries_see_what_precedes_them_logically():
@@ -78,3 +90,17 @@ def test_a_second_live_engine_in_one_process_is_refused():
     del first  # shut down: the next engine may start
     segments.register_runner(second, P)
     del second
+
+
+def test_turning_back_is_a_pure_rotation_with_a_scaled_table():
+    """A table with YaRN's mscale folded in (rows a*cos, a*sin): rotating x by p with it
+    scales x by a, as the model does to Q and K alike; turning back must not scale again,
+    or a link's Q and K (turned back) would carry a^2 more than every other token."""
+    from minipic.attention.rotation import rotate, turn_back
+    from minipic.devtools.paged_attention_case import rope_table
+
+    table = rope_table(8, 64, mscale=1.3)
+    x = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([3, 9, 17, 30, 40])
+    back = turn_back(rotate(x, pos, table, 8, True), pos, table, 8, True)
+    assert torch.allclose(back, 1.3 * x, atol=1e-5)

@@ -136,9 +136,11 @@ def _run_case(name: str) -> float:
 
 
 def _span_tables(case) -> dict:
+    from minipic.attention import triton_kernel as tk
+
     if case.layout is None:
         return {}
-    return case.layout.kernel_tables(case.block_size)
+    return tk.span_table_args(case.layout, case.block_size)
 
 
 def _set_every_logit(case, logit: float) -> None:

@@ -147,7 +147,7 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
             block_table=table, softmax_scale=scale, cos_sin=pool.cos_sin, rotary_dim=HEAD,
             is_neox_style=True, segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
             seq_threshold_3d=SEQ_THRESHOLD_3D, config=config,
-            **(plain.kernel_tables(BLOCK) if segments else {}))
+            **(tk.span_table_args(plain, BLOCK) if segments else {}))
 
     def fa3():
         flash_attn_varlen_func(

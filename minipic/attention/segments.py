@@ -120,15 +120,11 @@ class SpanLayout:
                 setattr(self, name, torch.zeros(rows, dtype=torch.int32,
                                                 device=self.span_of.device))
 
-    def kernel_tables(self, block_size: int) -> dict[str, Any]:
-        """The Triton kernel's arguments for these tables (triton_kernel.unified_attention_rope)."""
-        return dict(span_of=self.span_of, context_pos=self.context_pos,
-                    links_end=self.links_end, link_tokens=self.link_tokens,
-                    segment_block_size=block_size)
-
     def to(self, device: torch.device | str) -> "SpanLayout":
-        return SpanLayout(*(t.to(device) for t in (self.span_of, self.context_pos, self.shift,
-                                                   self.links_end, self.link_tokens)))
+        moved = [None if t is None else t.to(device) for t in (
+            self.span_of, self.context_pos, self.shift, self.links_end, self.link_tokens,
+            self.quiet)]
+        return SpanLayout(*moved)
 
     def has_links(self) -> bool:
         return bool(self.shift.any())
@@ -172,8 +168,11 @@ def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_
     hidden = torch.zeros(num_reqs, num_blocks + 1, dtype=torch.bool, device=firsts.device)
     hidden.scatter_(1, torch.where(in_link, carried, num_blocks), True)
     context_pos = torch.where(hidden[:, :num_blocks], HIDDEN, context_block * block_size)
-    links_end = (torch.where(in_link, block + 1, 0).amax(dim=1) * block_size).to(torch.int32)
-    link_tokens = (in_link.sum(dim=1) * block_size).to(torch.int32)
+    # Prompt blocks only: a prompt may end inside its links (then no query is past them).
+    # The front end allows one run of links (protocol.check_links), so this is its length.
+    prompt_link = in_link & in_prompt
+    links_end = (torch.where(prompt_link, block + 1, 0).amax(dim=1) * block_size).to(torch.int32)
+    link_tokens = (prompt_link.sum(dim=1) * block_size).to(torch.int32)
     return SpanLayout(span_of.to(torch.int32), context_pos.to(torch.int32),
                       ((block - context_block) * block_size).to(torch.int32),
                       links_end, link_tokens)

@@ -189,19 +189,31 @@ class MiniPICTorchImpl(AttentionImpl):
         v = torch.where(kept[..., None, None], kv[..., self.head_size:], 0)
         q = q_all.new_zeros(len(requests), most, *q_all.shape[1:])
         visible = torch.zeros(len(requests), most, longest, dtype=torch.bool, device=device)
-        q_near, near_keys = q.clone(), torch.zeros(len(requests), longest, dtype=torch.bool,
-                                                   device=device)
         for n, (i, t, s) in enumerate(zip(requests, lengths, seq_lens)):
             q[n, :t] = q_all[qsl[i] : qsl[i] + t]
             visible[n, :t, :s] = causal_rows(t, s, device) if md.visible is None else md.visible[i]
             visible[n, t:, 0] = True  # padding rows: any one key, their output is dropped
-            near = links_take_no_room(q[n, :t], md.layout, i, s, rope, cos_sin)
-            q_near[n, :t] = q[n, :t] if near is None else near[0]
-            if near is not None:
-                near_keys[n, : near[1]] = True
         out = attend(q, k, v, self.scale, self.logits_soft_cap, visible,
-                     (q_near, near_keys) if near_keys.any() else None)
+                     self._turned_back(q, md, requests, lengths, seq_lens, rope, cos_sin))
         return torch.cat([out[n, :t] for n, t in enumerate(lengths)])
+
+    @staticmethod
+    def _turned_back(q: torch.Tensor, md: MiniPICTorchMetadata, requests: list[int],
+                     lengths: list[int], seq_lens: list[int], rope, cos_sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """attend's `alternative` for the padded batch q [N, T, Hq, D]: each request's
+        queries past its links turned back, and the keys before its links; None when no
+        request has a query past its links."""
+        found = [links_take_no_room(q[n, :t], md.layout, i, s, rope, cos_sin)
+                 for n, (i, t, s) in enumerate(zip(requests, lengths, seq_lens))]
+        if all(f is None for f in found):
+            return None
+        q_near = q.float().clone()
+        keys = torch.zeros(q.shape[0], max(seq_lens), dtype=torch.bool, device=q.device)
+        for n, (t, f) in enumerate(zip(lengths, found)):
+            if f is not None:
+                q_near[n, :t], keys[n, : f[1]] = f[0], True
+        return q_near, keys
 
 
 def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
@@ -227,11 +239,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """
     if visible is None:
         visible = causal_rows(q.shape[0], k.shape[0], q.device)
-    pair = None
+    alternative = None
     if near is not None:
-        near_keys = torch.arange(k.shape[0], device=q.device)[None, :] < near[1]
-        pair = (near[0][None], near_keys)
-    return attend(q[None], k[None], v[None], scale, soft_cap, visible[None], pair)[0]
+        keys = torch.arange(k.shape[0], device=q.device)[None, :] < near[1]
+        alternative = (near[0][None], keys)
+    return attend(q[None], k[None], v[None], scale, soft_cap, visible[None], alternative)[0]
 
 
 def links_take_no_room(q: torch.Tensor, layout: SpanLayout | None, row: int, seq_len: int,
@@ -239,11 +251,14 @@ def links_take_no_room(q: torch.Tensor, layout: SpanLayout | None, row: int, seq
     """(q_near, links_end) for request `row`'s queries q [T, Hq, D] (the last T of
     seq_len), None when it has no links. Queries at or past links_end stand link_tokens
     positions earlier (SpanLayout): against the keys before links_end they score
-    rotated back by link_tokens; the other queries score as they are."""
-    if layout is None or layout.link_tokens is None or int(layout.link_tokens[row]) == 0:
+    rotated back by link_tokens; the other queries score as they are. None as well
+    when no query is past the links (links and spans computing)."""
+    if layout is None or int(layout.link_tokens[row]) == 0:
         return None
     end, room = int(layout.links_end[row]), int(layout.link_tokens[row])
     after = torch.arange(seq_len - q.shape[0], seq_len, device=q.device) >= end
+    if not bool(after.any()):
+        return None
     back = turn_back(q, torch.full((q.shape[0],), room, device=q.device), cos_sin,
                      rope.rotary_dim, rope.is_neox_style)
     return torch.where(after[:, None, None], back, q.float()), end
@@ -257,10 +272,10 @@ def causal_rows(num_queries: int, num_keys: int, device) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft_cap: float,
            visible: torch.Tensor,
-           near: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           alternative: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Batched masked attention in fp32: q [N, T, Hq, D], k and v [N, S, Hkv, D],
-    visible [N, T, S] -> [N, T, Hq, D]. `near` (q_near like q, keys [N, S] bool): those
-    keys are scored with q_near instead of q."""
+    visible [N, T, S] -> [N, T, Hq, D]. `alternative` (q_alt like q, keys [N, S] bool):
+    those keys are scored with q_alt instead of q."""
     n, t, num_heads, d = q.shape
     kv_heads = k.shape[2]  # GQA/MQA: query heads come in groups, one per kv head
 
@@ -269,8 +284,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft
         return torch.einsum("ntkgd,nskd->nkgts", grouped, k.float()) * scale
 
     scores = score(q)
-    if near is not None:
-        scores = torch.where(near[1][:, None, None, None, :], score(near[0]), scores)
+    if alternative is not None:
+        q_alt, keys = alternative
+        scores = torch.where(keys[:, None, None, None, :], score(q_alt), scores)
     if soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))

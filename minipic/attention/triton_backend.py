@@ -42,6 +42,7 @@ from minipic.attention.triton_kernel import (
     SPLIT_KV_MAX_TOKENS,
     angle_addition_holds,
     check_rope,
+    span_table_args,
     unified_attention_rope,
 )
 
@@ -205,7 +206,8 @@ class MiniPICTritonImpl(TritonAttentionImpl):
 
 
 def _plain_layout(reqs: int, blocks: int, block_size: int, device) -> SpanLayout:
-    """Tables that say "no spans, no links": stock causal attention."""
+    """Tables that say "no spans, no links": stock causal attention. `shift` stays zero
+    and is never rewritten: the kernel reads none (link turn-back is host work)."""
     span_of = torch.full((reqs, blocks), -1, dtype=torch.int32, device=device)
     context_pos = (torch.arange(blocks, dtype=torch.int32, device=device) * block_size
                    ).expand(reqs, -1).contiguous()
@@ -240,7 +242,7 @@ def _span_tables(md) -> dict:
         return {}  # metadata not built by MiniPICTritonMetadataBuilder (unit tests)
     if not md.minipic_has_spans and not _capturing():
         return {}
-    return md.minipic_tables.kernel_tables(md.minipic_segment_block_size)
+    return span_table_args(md.minipic_tables, md.minipic_segment_block_size)
 
 
 def _token_shift(md) -> torch.Tensor | None:

@@ -643,6 +643,13 @@ def unified_attention_rope(
     return out
 
 
+def span_table_args(layout, block_size: int) -> dict:
+    """unified_attention_rope's table arguments from a segments.SpanLayout."""
+    return dict(span_of=layout.span_of, context_pos=layout.context_pos,
+                links_end=layout.links_end, link_tokens=layout.link_tokens,
+                segment_block_size=block_size)
+
+
 def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor | None,
                        links_end: torch.Tensor | None, link_tokens: torch.Tensor | None,
                        num_seqs: int) -> bool:

@@ -51,7 +51,7 @@ def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D, buffer_tokens=Non
 def span_tables(case) -> dict:
     if case.layout is None:
         return {}
-    return case.layout.kernel_tables(case.block_size)
+    return tk.span_table_args(case.layout, case.block_size)
 
 
 def check(batch, *, num_q_heads=8, num_kv_heads=2, head_size=128, rotary_dim=None,
