@@ -28,7 +28,7 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 | v1.engine.input_processor.InputProcessor         | front end   | refuse generating from a prompt that  |
 |   .process_inputs (+ process_inputs_async, its   | (API / LLM) | ends inside an SSep span, unless the  |
 |   wrapper made per instance)                     |             | request opts in (HTTP 400)            |
-| entrypoints.launchers.api_server.routers         | API server  | add GET /minipic/v1/settings (block   |
+| entrypoints.launchers.api_server.routers         | API server  | add GET /v1/minipic/settings (block   |
 |   .register_api_routers (+ its copies in         |             | size, markers, recipe for clients);   |
 |   launchers.app and openai.api_server)           |             | install the chat hook below, only in  |
 |                                                  |             | the API server process                |
@@ -347,7 +347,7 @@ def _patch_api_routers() -> None:
         from vllm.entrypoints.launchers import app as launcher_app
         from vllm.entrypoints.launchers.api_server import routers
     except ImportError:
-        logger.info("minipic: this vLLM has no entrypoints.launchers; GET /minipic/v1/settings "
+        logger.info("minipic: this vLLM has no entrypoints.launchers; GET /v1/minipic/settings "
                     "and chat `documents` as spans are off")
         return
     import sys

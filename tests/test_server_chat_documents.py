@@ -30,6 +30,7 @@ QUESTION = {"role": "user", "content": "what is the capital of france ?"}
 DOC_A = {"title": "france", "text": "paris is the capital of france . " * 6}
 DOC_B = {"text": "berlin is the capital of germany . the river of berlin . " * 9}
 MAX_MODEL_LEN = 1024
+API_KEY = "chat-documents-key"
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +38,14 @@ def server(tiny_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat-documents")
     (folder / "template.jinja").write_text(TEMPLATE)
     with api_server(tiny_model, folder / "server.log", "--max-model-len", str(MAX_MODEL_LEN),
-                    "--chat-template", str(folder / "template.jinja"),
+                    "--chat-template", str(folder / "template.jinja"), "--api-key", API_KEY,
                     "--additional-config", json.dumps({"minipic": {}})) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="EMPTY", max_retries=0)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +183,12 @@ def test_unknown_recipe_is_a_400(client):
 
 
 def test_settings_route_publishes_block_size_and_markers(server):
-    with urllib.request.urlopen(f"{server}/minipic/v1/settings", timeout=10) as response:
+    url = f"{server}/v1/minipic/settings"
+    with pytest.raises(urllib.error.HTTPError) as refused:  # --api-key guards it
+        urllib.request.urlopen(url, timeout=10)
+    assert refused.value.code == 401
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
         settings = json.load(response)
     assert settings["block_size"] == BLOCK_SIZE
     assert settings["span_protocol"] == PROTOCOL.to_dict()

@@ -1,18 +1,19 @@
-"""GET /minipic/v1/settings: what a client needs to build span prompts (API server process).
+"""GET /v1/minipic/settings: what a client needs to build span prompts (API server process).
 
 Client tools (minipic-preload, RagClient's OpenAIServerBackend) read the
 server's KV block size, span protocol and recipe from here instead of asking
 the user: a wrong block size makes every span miss while each prefill still
 "succeeds". A stock vLLM server has no such route (404) and a server with
 minipic installed but off answers 404 too, so a client tool can tell that
-spans would never be stored and stop.
+spans would never be stored and stop. The path starts with /v1 so that vLLM's
+--api-key guards it like every OpenAI route (its middleware guards /v1 paths only).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handler's annotations to
 # pass the Request, and a string "Request" would not resolve from this module.
 from typing import Any, Optional
 
-SETTINGS_PATH = "/minipic/v1/settings"
+SETTINGS_PATH = "/v1/minipic/settings"
 
 
 def server_settings(vllm_config: Any) -> Optional[dict]:

@@ -3,7 +3,7 @@
 Such a server would answer every span prefill and store nothing; before the
 server published its settings, `minipic-preload` reported those spans as
 prefilled. The server here has minipic installed but off, which answers exactly
-as a stock server does: no /minipic/v1/settings route (404).
+as a stock server does: no /v1/minipic/settings route (404).
 """
 
 from __future__ import annotations
@@ -46,5 +46,5 @@ def test_rag_backend_refuses_to_connect(url):
 
 def test_settings_route_is_a_404(url):
     with pytest.raises(urllib.error.HTTPError) as error:
-        urllib.request.urlopen(f"{url}/minipic/v1/settings", timeout=10)
+        urllib.request.urlopen(f"{url}/v1/minipic/settings", timeout=10)
     assert error.value.code == 404

@@ -7,7 +7,7 @@ when started with `--enable-prompt-tokens-details`; without it the tools
 still work but cannot tell hits from misses.
 
 `connect` reads the server's KV block size and span protocol from minipic's
-GET /minipic/v1/settings (server_settings.py) and refuses a server without
+GET /v1/minipic/settings (server_settings.py) and refuses a server without
 minipic, which would store no span; a block size or protocol given here must
 agree with the server's. `trust_server=True` skips the check (vLLM 0.25.1
 servers have no settings route) and then needs the block size. The tokenizer is

@@ -1,4 +1,4 @@
-"""A minipic server's own settings, read from GET /minipic/v1/settings (client process).
+"""A minipic server's own settings, read from GET /v1/minipic/settings (client process).
 
 Client tools build span prompts with the server's KV block size and markers; a
 wrong block size makes every span miss while each prefill still "succeeds", and
