@@ -7,7 +7,8 @@ For each engine in turn (minipic on, then a stock engine with minipic off):
   2. preload examples/corpus/ (minipic-preload's Python API): every document
      becomes spans, prefilled once into the engine's cache;
   3. ask three questions, each over several documents, with the RAG client:
-     prompt = [system][doc][doc]...[question] in the Block-Attention layout.
+     prompt = [system][doc][doc]...[links][question] in the EPIC layout (the RAG
+     client's default recipe).
 Then, per question: how many prompt tokens came from cache, and the time of
 the final prompt (prefill plus one generated token), minipic on vs off.
 
