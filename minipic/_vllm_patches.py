@@ -240,7 +240,7 @@ def _register_runner_after_init(original):
         _forget_cached_ropes(keep_stock=not minipic_on)
         if minipic_on:
             from minipic.attention.rope import reset_rope
-            from minipic.attention.segments import register_runner
+            from minipic.attention.span_layout import register_runner
             from minipic.config import mask_markers
 
             # first: it may refuse
@@ -274,7 +274,7 @@ def _patch_model_runner_v2() -> None:
         def prepare_inputs(self, *args, **kwargs):
             input_batch = original(self, *args, **kwargs)
             if is_enabled(self.vllm_config):
-                from minipic.attention.segments import note_mrv2_batch
+                from minipic.attention.span_layout import note_mrv2_batch
 
                 note_mrv2_batch(input_batch.idx_mapping)
             return input_batch

@@ -32,7 +32,7 @@ class SpanProtocol:
     """Marker token ids. SSep starts an independent span, PDep starts a block
     that depends on everything before it, padding fills spans to a block boundary.
     A link block (EPIC) carries the first block(s) of the k-th span again, computed
-    in context at that span's positions (see minipic.attention.segments)."""
+    in context at that span's positions (see minipic.attention.span_layout)."""
 
     ssep_token_id: int
     pdep_token_id: int
@@ -136,7 +136,7 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
     every query outside spans, which there would precede the link standing for it
     (and its KV would depend on a later block its hash does not cover). The links
     form one run: what follows them stands as many positions earlier as they hold
-    (segments.SpanLayout), which a second run would make depend on later blocks."""
+    (span_layout.SpanLayout), which a second run would make depend on later blocks."""
     if protocol.link_token_id is None:
         return
     firsts = list(block_first_tokens)

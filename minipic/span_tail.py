@@ -1,6 +1,6 @@
 """Front end: refuse generating from a prompt that ends inside an SSep span or a link.
 
-Tokens inside an SSep span attend to their span only (minipic.attention.segments),
+Tokens inside an SSep span attend to their span only (minipic.attention.span_layout),
 and so do the tokens generated after a prompt whose last block belongs to one:
 `[system][SSep doc1][SSep doc2]` answers from doc2 alone, as if system and doc1
 were not there. That is what a span prefill wants (minipic's tools send the span

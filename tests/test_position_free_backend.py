@@ -219,10 +219,10 @@ def test_links_take_no_room_in_both_query_paths(mscale, monkeypatch):
     """EPIC layouts through the torch backend's per-request path (a 42-token link and
     task chunk) and its batched short-query path (two decodes after links, batched with
     a decode without links), against the paged reference: queries past the links see
-    every key before them `link_tokens` positions nearer (segments.SpanLayout). Link Q
+    every key before them `link_tokens` positions nearer (span_layout.SpanLayout). Link Q
     is taken as already turned back."""
     from minipic.attention import torch_backend as tb
-    from minipic.attention.segments import visible_keys
+    from minipic.attention.span_layout import visible_keys
     from minipic.devtools.paged_attention_case import make_case, reference_attention
 
     case = make_case([42, 1, 1, 1], [80, 121, 60, 70], num_q_heads=4, num_kv_heads=2,

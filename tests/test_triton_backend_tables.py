@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder  # noqa: E402
 
 from minipic.attention import triton_backend as tb  # noqa: E402
-from minipic.attention.segments import token_shifts, visible_keys  # noqa: E402
+from minipic.attention.span_layout import token_shifts, visible_keys  # noqa: E402
 from minipic.devtools.paged_attention_case import marker_layout  # noqa: E402
 
 BLOCK = 16
@@ -49,7 +49,7 @@ def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_l
 def test_plain_batches_launch_without_tables(builder, monkeypatch):
     md = build(builder, monkeypatch, ["", ""], [5, 1], [40, 17])
     assert not md.minipic_has_spans and md.minipic_token_shift is None
-    assert tb._span_tables(md) == {}  # HAS_SEGMENTS off: the stock-shaped launch
+    assert tb._span_tables(md) == {}  # HAS_SPAN_TABLES off: the stock-shaped launch
 
 
 def test_a_link_batch_gets_its_tables_and_token_shifts(builder, monkeypatch):
@@ -65,7 +65,7 @@ def test_a_link_batch_gets_its_tables_and_token_shifts(builder, monkeypatch):
                        token_shifts(layout, [0, 42, 45], [122, 43], BLOCK))
     assert md.minipic_token_shift.any()
     tables = tb._span_tables(md)
-    assert tables["span_of"] is builder.tables.span_of and tables["segment_block_size"] == BLOCK
+    assert tables["span_of"] is builder.tables.span_of and tables["span_block_size"] == BLOCK
     assert tables["links_end"] is builder.tables.links_end
 
 

@@ -201,7 +201,7 @@ def _run_backend_links() -> float | str:
     """Child process: link tokens through MiniPICTritonImpl.do_kv_cache_update and forward,
     against attention computed at the tokens' logical positions (each link token at its
     index minus its shift, the task after the links minus the link tokens) under
-    segments.visible_keys: no turn-back in the reference."""
+    span_layout.visible_keys: no turn-back in the reference."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -215,7 +215,7 @@ def _run_backend_links() -> float | str:
     from minipic.attention import triton_backend as tb
     from minipic.attention import triton_kernel as tk
     from minipic.attention.rotation import rotate
-    from minipic.attention.segments import token_shifts, visible_keys
+    from minipic.attention.span_layout import token_shifts, visible_keys
     from minipic.devtools.paged_attention_case import make_case, relative_error
 
     # the EPIC hit (links and task computed over cached header and spans), a decode in a link
@@ -258,7 +258,7 @@ def _run_backend_links() -> float | str:
         causal=True, mm_prefix_range_tensor=None, seq_threshold_3D=8,
         softmax_segm_output=segm[0], softmax_segm_max=segm[1], softmax_segm_expsum=segm[2],
         minipic_tables=layout,
-        minipic_has_spans=True, minipic_segment_block_size=bs,
+        minipic_has_spans=True, minipic_span_block_size=bs,
         minipic_token_shift=token_shifts(layout, starts, seq_lens, bs))
     out = torch.full_like(query, float("nan"))
     impl.forward(None, query, None, None, torch.stack((k_cache, case.v_cache), dim=1), md, out)

@@ -9,7 +9,7 @@ read the same keys pre-rotated (what stock vLLM stores):
   stock_again   the same, timed a second time: the noise floor of a ratio
   minipic       minipic's kernel with default configs and span tables that say "no spans"
                 (what a CUDA graph the backend captured reads on a batch without markers)
-  minipic_noseg the same without the tables (HAS_SEGMENTS compiled out): what the backend
+  minipic_noseg the same without the tables (HAS_SPAN_TABLES compiled out): what the backend
                 launches eagerly for a batch without markers
   minipic_angle the same with cos/sin by angle addition (ROPE_ANGLE_ADD)
   minipic_norot minipic's kernel with the rotation compiled out, on pre-rotated K
@@ -40,7 +40,7 @@ import triton
 
 from minipic.attention import triton_kernel as tk
 from minipic.attention.rotation import rotate
-from minipic.attention.segments import SpanLayout
+from minipic.attention.span_layout import SpanLayout
 from minipic.devtools.paged_attention_case import relative_error, rope_table
 
 Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16

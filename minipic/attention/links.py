@@ -1,7 +1,7 @@
 """Worker side: EPIC link tokens turned back to their logical positions (both backends).
 
 A link token sits at physical index i but stands at logical position i - shift
-(segments.SpanLayout). The model hands attention Q rotated at i and K unrotated;
+(span_layout.SpanLayout). The model hands attention Q rotated at i and K unrotated;
 turning both back by the shift (a rotation by -shift) puts Q at its logical
 position and leaves K "unrotated at i minus the shift", so attention can keep
 rotating every key by its physical index and the scores come out at logical

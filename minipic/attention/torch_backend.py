@@ -29,7 +29,7 @@ from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, turn_back_links
 from minipic.attention.rope import current_rope, head_mismatch
 from minipic.attention.rotation import rotate, turn_back
-from minipic.attention.segments import SpanLayout, current_layout, token_shifts, visible_keys
+from minipic.attention.span_layout import SpanLayout, current_layout, token_shifts, visible_keys
 
 
 class MiniPICTorchBackend(PositionFreeTraits, CPUAttentionBackend):
@@ -58,7 +58,7 @@ class MiniPICTorchMetadata:
     block_size: int
     layout: SpanLayout | None = None  # spans and links; None: plain causal attention
     token_shift: torch.Tensor | None = None  # [num_tokens] link shifts; None: all 0
-    # Per request, [queries, keys] visibility (segments.visible_keys), built once per
+    # Per request, [queries, keys] visibility (span_layout.visible_keys), built once per
     # batch for all layers; None: plain causal attention.
     visible: list[torch.Tensor] | None = None
 
@@ -234,7 +234,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     q [T, Hq, D] (rotated), k [S, Hkv, D] (rotated), v [S, Hkv, D]; query t sits
     at position S - T + t and sees keys 0..S-T+t (cached prefix plus causal), or
-    the keys `visible` [T, S] allows (segments.visible_keys). `near` (q_near, n):
+    the keys `visible` [T, S] allows (span_layout.visible_keys). `near` (q_near, n):
     the keys before n are scored with q_near (links_take_no_room).
     """
     if visible is None:

@@ -3,7 +3,7 @@
 It is vLLM's Triton backend with these changes: attention rotates K per tile
 by the keys' logical positions (`triton_kernel.unified_attention_rope`), because
 minipic's Q-only RoPE leaves K unrotated in the cache; batches with span markers
-pass the kernel their SpanLayout tables (segments.py: span segments and EPIC
+pass the kernel their SpanLayout tables (span_layout.py: span segments and EPIC
 link blocks), and link tokens' Q and K are turned back by their shift first
 (attention.links), in forward and in the KV cache write. Everything else is
 inherited, so it follows the installed vLLM: the KV cache shape and layout,
@@ -37,7 +37,7 @@ from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAtte
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.rope import current_rope, head_mismatch
 from minipic.attention.links import batch_metadata, turn_back_links
-from minipic.attention.segments import SpanLayout, current_layout, token_shifts
+from minipic.attention.span_layout import SpanLayout, current_layout, token_shifts
 from minipic.attention.triton_kernel import (
     SPLIT_KV_MAX_TOKENS,
     angle_addition_holds,
@@ -77,12 +77,12 @@ class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
     _cudagraph_support: ClassVar[AttentionCGSupport] = \
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
-    """vLLM's Triton metadata plus minipic's span tables and link shifts (segments.py).
+    """vLLM's Triton metadata plus minipic's span tables and link shifts (span_layout.py).
 
     Sets on the metadata: `minipic_tables` (a SpanLayout of static buffers, rows of
     this batch rewritten each build), `minipic_has_spans` (the batch has
     markers: the kernel applies the tables), `minipic_token_shift` (per token link
-    shifts, None without links) and `minipic_segment_block_size`."""
+    shifts, None without links) and `minipic_span_block_size`."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -117,7 +117,7 @@ class MiniPICTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         metadata.minipic_has_spans = has_spans
         metadata.minipic_token_shift = _link_shifts(m, layout, self.block_size) if has_spans \
             else None
-        metadata.minipic_segment_block_size = self.block_size
+        metadata.minipic_span_block_size = self.block_size
         return metadata
 
     def _fill_tables(self, layout: SpanLayout) -> None:
@@ -242,7 +242,7 @@ def _span_tables(md) -> dict:
         return {}  # metadata not built by MiniPICTritonMetadataBuilder (unit tests)
     if not md.minipic_has_spans and not _capturing():
         return {}
-    return span_table_args(md.minipic_tables, md.minipic_segment_block_size)
+    return span_table_args(md.minipic_tables, md.minipic_span_block_size)
 
 
 def _token_shift(md) -> torch.Tensor | None:

@@ -8,9 +8,9 @@ Q.K product. V is untouched. Everything else follows vLLM's
 holding BLOCK_Q tokens times the kv head's query heads (GQA rows share one K
 tile), online softmax over KV tiles, and for small decode batches (and, unlike
 vLLM, for a few short queries over long contexts) a split-KV ("3D") variant
-whose partial results `_reduce_segments` merges. With span tables (HAS_SEGMENTS)
+whose partial results `_reduce_segments` merges. With span tables (HAS_SPAN_TABLES)
 each tile is also masked by minipic's span and EPIC link rule
-(segments.visible_keys); without them nothing is read and the launch is plain
+(span_layout.visible_keys); without them nothing is read and the launch is plain
 causal attention.
 
 The rotation never materialises a rotated head: the rotary dims are split into
@@ -111,18 +111,18 @@ def _load_cos_sin(j, kv_end, cos_sin_ptr, offs_r, r_mask, cos_sin_stride,
 
 
 @triton.jit
-def _span_and_context(span_of_ptr, context_pos_ptr, seg_row, pos, mask, SEG_BLOCK: tl.constexpr):
+def _span_and_context(span_of_ptr, context_pos_ptr, span_row, pos, mask, SPAN_BLOCK: tl.constexpr):
     """Per token at `pos`: its span (-1: none) and its logical position as a query outside
     spans sees it (SpanLayout.context_pos of its block plus its offset in the block)."""
-    entry = seg_row + pos // SEG_BLOCK
+    entry = span_row + pos // SPAN_BLOCK
     span = tl.load(span_of_ptr + entry, mask=mask, other=-1)
-    context = tl.load(context_pos_ptr + entry, mask=mask, other=0) + pos % SEG_BLOCK
+    context = tl.load(context_pos_ptr + entry, mask=mask, other=0) + pos % SPAN_BLOCK
     return span, context
 
 
 @triton.jit
 def _span_visible(q_span, q_context, k_span, k_context):
-    """segments.visible_keys without the causal part, (rows, keys): a query in an SSep span
+    """span_layout.visible_keys without the causal part, (rows, keys): a query in an SSep span
     sees its own span's keys; any other query sees keys at logical positions up to its own
     (a span head replaced by its link is HIDDEN, past every position)."""
     in_span = q_span[:, None] >= 0
@@ -153,10 +153,10 @@ def minipic_attention_kernel(
     block_tables_ptr,  # [seqs, max_blocks]
     seq_lens_ptr,  # [seqs]
     query_start_loc_ptr,  # [seqs + 1]
-    span_of_ptr,  # HAS_SEGMENTS: [seqs, blocks] int32, segments.SpanLayout.span_of
-    context_pos_ptr,  # HAS_SEGMENTS: [seqs, blocks] int32, SpanLayout.context_pos
-    links_end_ptr,  # HAS_SEGMENTS: [seqs] int32, SpanLayout.links_end
-    link_tokens_ptr,  # HAS_SEGMENTS: [seqs] int32, SpanLayout.link_tokens
+    span_of_ptr,  # HAS_SPAN_TABLES: [seqs, blocks] int32, span_layout.SpanLayout.span_of
+    context_pos_ptr,  # HAS_SPAN_TABLES: [seqs, blocks] int32, SpanLayout.context_pos
+    links_end_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.links_end
+    link_tokens_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.link_tokens
     segm_out_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32
     segm_max_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
     segm_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
@@ -176,7 +176,7 @@ def minipic_attention_kernel(
     v_stride_2: tl.int64,
     v_stride_3: tl.constexpr,
     cos_sin_stride: tl.int64,
-    seg_stride: tl.int64,  # row stride of both span tables
+    span_table_stride: tl.int64,  # row stride of both span tables
     NUM_QUERY_HEADS: tl.constexpr,
     NUM_QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -194,8 +194,8 @@ def minipic_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     IS_3D: tl.constexpr,
     PREFETCH: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr,  # minipic spans and links (see minipic.attention.segments)
-    SEG_BLOCK: tl.constexpr,  # block size the span tables are indexed by
+    HAS_SPAN_TABLES: tl.constexpr,  # minipic spans and links (see minipic.attention.span_layout)
+    SPAN_BLOCK: tl.constexpr,  # block size the span tables are indexed by
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -264,10 +264,10 @@ def minipic_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
     query_abs_pos = context_len + q_pos
-    if HAS_SEGMENTS:
-        seg_row = seq_idx.to(tl.int64) * seg_stride
-        q_span, q_context = _span_and_context(span_of_ptr, context_pos_ptr, seg_row,
-                                              query_abs_pos, row_mask, SEG_BLOCK)
+    if HAS_SPAN_TABLES:
+        span_row = seq_idx.to(tl.int64) * span_table_stride
+        q_span, q_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row,
+                                              query_abs_pos, row_mask, SPAN_BLOCK)
         # Links take no room (SpanLayout.links_end): queries at or past links_end score
         # the keys before it with Q turned back by link_tokens; 0 without links.
         links_end = tl.load(links_end_ptr + seq_idx)
@@ -334,7 +334,7 @@ def minipic_attention_kernel(
 
         S = tl.dot(q1, k1)
         S = tl.dot(q2, k2, S)
-        if HAS_SEGMENTS:
+        if HAS_SPAN_TABLES:
             if some_after & (j * TILE_SIZE < links_end):  # keys before the links' end
                 S_near = tl.dot(q1_near, k1)
                 S_near = tl.dot(q2_near, k2, S_near)
@@ -345,9 +345,9 @@ def minipic_attention_kernel(
             S = tl.dot(q3, k3.to(q1.dtype), S)
         S = S * qk_scale
         visible = row_mask[:, None] & (offs_t[None, :] <= query_abs_pos[:, None])
-        if HAS_SEGMENTS:
-            k_span, k_context = _span_and_context(span_of_ptr, context_pos_ptr, seg_row,
-                                                  offs_t, t_mask, SEG_BLOCK)
+        if HAS_SPAN_TABLES:
+            k_span, k_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row,
+                                                  offs_t, t_mask, SPAN_BLOCK)
             visible = visible & _span_visible(q_span, q_context, k_span, k_context)
         S = tl.where(visible, S, float("-inf"))
 
@@ -543,7 +543,7 @@ def unified_attention_rope(
     allow_angle_addition: bool = True,
     span_of: torch.Tensor | None = None,
     context_pos: torch.Tensor | None = None,
-    segment_block_size: int | None = None,
+    span_block_size: int | None = None,
     links_end: torch.Tensor | None = None,
     link_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -559,11 +559,11 @@ def unified_attention_rope(
     Host-side work is shape arithmetic only, so the launch can be captured in a
     CUDA graph. Pass `allow_angle_addition=False` for a table
     `angle_addition_holds` rejects.
-    `span_of` and `context_pos` [seqs, blocks] int32 (segments.SpanLayout, indexed
-    by `segment_block_size`-token blocks, same strides) apply the span and link
-    rules of segments.visible_keys per tile, and `links_end` / `link_tokens` [seqs]
+    `span_of` and `context_pos` [seqs, blocks] int32 (span_layout.SpanLayout, indexed
+    by `span_block_size`-token blocks, same strides) apply the span and link
+    rules of span_layout.visible_keys per tile, and `links_end` / `link_tokens` [seqs]
     int32 (SpanLayout: queries past a request's links score the keys before them
-    link_tokens positions nearer); without them (HAS_SEGMENTS off) the
+    link_tokens positions nearer); without them (HAS_SPAN_TABLES off) the
     launch is plain causal attention and reads no table. Link tokens' Q and K must
     already be turned back (attention.links): the kernel rotates keys by index.
     """
@@ -596,18 +596,18 @@ def unified_attention_rope(
     else:
         num_segments = 1
         grid = (num_q_blocks, num_kv_heads)
-    has_segments = _check_span_tables(span_of, context_pos, links_end, link_tokens, num_seqs)
+    has_span_tables = _check_span_tables(span_of, context_pos, links_end, link_tokens, num_seqs)
     minipic_attention_kernel[grid](
         out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
-        span_of if has_segments else block_table,  # any pointer when unused
-        context_pos if has_segments else block_table,
-        links_end if has_segments else seqused_k,
-        link_tokens if has_segments else seqused_k,
+        span_of if has_span_tables else block_table,  # any pointer when unused
+        context_pos if has_span_tables else block_table,
+        links_end if has_span_tables else seqused_k,
+        link_tokens if has_span_tables else seqused_k,
         segm_output, segm_max, segm_expsum,
         softmax_scale * _LOG2E, num_seqs,
         block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
-        span_of.stride(0) if has_segments else 0,
+        span_of.stride(0) if has_span_tables else 0,
         NUM_QUERY_HEADS=num_q_heads,
         NUM_QUERIES_PER_KV=queries_per_kv,
         BLOCK_SIZE=block_size,
@@ -625,8 +625,8 @@ def unified_attention_rope(
         NUM_SEGMENTS=num_segments,
         IS_3D=use_3d,
         PREFETCH=config.prefetch,
-        HAS_SEGMENTS=has_segments,
-        SEG_BLOCK=segment_block_size or block_size,
+        HAS_SPAN_TABLES=has_span_tables,
+        SPAN_BLOCK=span_block_size or block_size,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -644,10 +644,10 @@ def unified_attention_rope(
 
 
 def span_table_args(layout, block_size: int) -> dict:
-    """unified_attention_rope's table arguments from a segments.SpanLayout."""
+    """unified_attention_rope's table arguments from a span_layout.SpanLayout."""
     return dict(span_of=layout.span_of, context_pos=layout.context_pos,
                 links_end=layout.links_end, link_tokens=layout.link_tokens,
-                segment_block_size=block_size)
+                span_block_size=block_size)
 
 
 def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor | None,
@@ -660,7 +660,7 @@ def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor |
         return False
     if any(t is None for t in tables):
         raise ValueError("span_of, context_pos, links_end and link_tokens come together "
-                         "(segments.SpanLayout)")
+                         "(span_layout.SpanLayout)")
     for table in (span_of, context_pos):
         if table.dtype != torch.int32 or table.dim() != 2 or table.stride(1) != 1:
             raise ValueError(f"span tables must be int32 [seqs, blocks] with unit stride on "

@@ -63,7 +63,7 @@ def epic_link(span: Sequence[int], recompute_blocks: int, protocol: SpanProtocol
 
     In the final prompt the engine computes it in context, at the span's own
     logical positions, and every later query sees it instead of the span's solo
-    head (minipic.attention.segments). Its hash is a PDep hash: its KV depends on
+    head (minipic.attention.span_layout). Its hash is a PDep hash: its KV depends on
     everything before it, so it only hits after the same header and documents.
     """
     if protocol.link_token_id is None:

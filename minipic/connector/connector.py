@@ -82,7 +82,7 @@ class MiniPICConnector(OffloadingConnector):
 
     def _open_store(self, vllm_config: Any, kv_cache_config: Any) -> None:
         from minipic.connector.scheduler.disk_tier import MiniPICDiskTier
-        from minipic.connector.scheduler.identity import namespace_fields
+        from minipic.connector.scheduler.identity import engine_namespace_fields
         from minipic.config import span_protocol_of
 
         protocol = span_protocol_of(vllm_config)
@@ -94,7 +94,7 @@ class MiniPICConnector(OffloadingConnector):
         if not tiers:
             return
         self._span_heads = SpanHeads()
-        fields = namespace_fields(vllm_config, kv_cache_config, protocol, type(self))
+        fields = engine_namespace_fields(vllm_config, kv_cache_config, protocol, type(self))
         for tier in tiers:
             tier.open(fields, self._span_heads)
         warn_if_cpu_tier_small(

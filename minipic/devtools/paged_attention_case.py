@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from minipic.attention.rotation import rotate
-from minipic.attention.segments import SpanLayout, span_layout, visible_keys
+from minipic.attention.span_layout import SpanLayout, span_layout, visible_keys
 from minipic.protocol import SpanProtocol
 
 # Block kinds in `make_case(markers=...)`: one character per block, what its first token is.
@@ -35,7 +35,7 @@ class PagedCase:
     rotary_dim: int
     is_neox: bool
     scale: float
-    # Spans and links (segments.SpanLayout, [seqs, max_blocks]); None: plain causal.
+    # Spans and links (span_layout.SpanLayout, [seqs, max_blocks]); None: plain causal.
     layout: SpanLayout | None = None
 
     @property
@@ -145,7 +145,7 @@ def marker_layout(markers: list[str], min_blocks: int, block_size: int,
 
 def reference_attention(case: PagedCase) -> torch.Tensor:
     """Rotate each request's keys by position, then causal attention (or the span and link
-    rule of segments.visible_keys), in fp32/fp64 torch."""
+    rule of span_layout.visible_keys), in fp32/fp64 torch."""
     bs = case.block_size
     num_q_heads = case.q.shape[1]
     out = torch.empty(case.q.shape, dtype=torch.float64, device=case.q.device)

@@ -236,7 +236,7 @@ LINK_BATCHES = {
                          ids=["gqa4", "group3", "mqa8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_link_blocks(batch, num_q_heads, num_kv_heads, dtype):
-    """EPIC link blocks: the kernel's per-tile rule equals segments.visible_keys."""
+    """EPIC link blocks: the kernel's per-tile rule equals span_layout.visible_keys."""
     query_lens, context_lens, markers = LINK_BATCHES[batch]
     case = make_case(query_lens, context_lens, num_q_heads=num_q_heads,
                      num_kv_heads=num_kv_heads, head_size=128, dtype=dtype, device="cuda",
@@ -261,7 +261,7 @@ def test_cuda_graph_replay_reads_span_tables():
     out = torch.empty_like(case.q)
     graph, _buffers = captured_decode(case, out, span_of=span_of, context_pos=context_pos,
                                       links_end=links_end, link_tokens=link_tokens,
-                                      segment_block_size=16)
+                                      span_block_size=16)
     for static, found in ((span_of, case.layout.span_of), (context_pos, case.layout.context_pos),
                           (links_end, case.layout.links_end),
                           (link_tokens, case.layout.link_tokens)):

@@ -71,7 +71,7 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any, connector_cls: Any) -> dic
     return layout
 
 
-def namespace_fields(vllm_config: Any, kv_cache_config: Any, protocol: SpanProtocol,
+def engine_namespace_fields(vllm_config: Any, kv_cache_config: Any, protocol: SpanProtocol,
                      connector_cls: Any) -> dict[str, Any]:
     from minipic.connector.store.namespace import namespace_fields as fields
 

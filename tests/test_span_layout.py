@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minipic.attention.segments import HIDDEN, span_layout, visible_keys
+from minipic.attention.span_layout import HIDDEN, span_layout, visible_keys
 from minipic.protocol import SpanProtocol
 
 P = SpanProtocol(ssep_token_id=3, pdep_token_id=4, pad_token_id=5, link_token_id=6)
@@ -78,17 +78,17 @@ def test_link_queries_see_what_precedes_them_logically():
 
 
 def test_a_second_live_engine_in_one_process_is_refused():
-    from minipic.attention import segments
+    from minipic.attention import span_layout
 
     class Runner:  # stands for a model runner: only its identity matters here
         pass
 
     first, second = Runner(), Runner()
-    segments.register_runner(first, P)
-    with pytest.raises(segments.OneEnginePerProcessError, match="one engine per process"):
-        segments.register_runner(second, P)
+    span_layout.register_runner(first, P)
+    with pytest.raises(span_layout.OneEnginePerProcessError, match="one engine per process"):
+        span_layout.register_runner(second, P)
     del first  # shut down: the next engine may start
-    segments.register_runner(second, P)
+    span_layout.register_runner(second, P)
     del second
 
 
