@@ -41,6 +41,27 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 
 The last three are 0.32-only names: on a vLLM without them (0.25.1) minipic logs
 that the settings route and chat `documents` are off, and loads.
+
+vLLM internals read or set outside this file (not patched; checked on the same two
+versions, worker process unless said otherwise):
+
+| vLLM object and attribute                         | where                 | what for                 |
+|---------------------------------------------------|-----------------------|--------------------------|
+| V1 runner .input_batch.token_ids_cpu_tensor,      | attention/            | marker blocks of each    |
+|   .num_prompt_tokens                              |   span_layout.py      | request (prompt part)    |
+| MRV2 runner .req_states.all_token_ids.gpu,        | attention/            | same on Model Runner V2, |
+|   .prompt_len.gpu; prepare_inputs' idx_mapping    |   span_layout.py      | rows of the batch        |
+| RotaryEmbedding ._forward_method (set),           | attention/rope.py     | rotate Q only; fp32 cos/ |
+|   ._compute_cos_sin_cache, .head_size,            |                       | sin table for attention  |
+|   .rotary_dim, .is_neox_style, .scaling_factors   |                       |                          |
+| forward_context.get_forward_context().attn_metadata, | attention/links.py | the batch's metadata in  |
+|   Attention layer .layer_name                     |                       | the KV-cache write       |
+| TritonAttentionMetadataBuilder .softmax_segm_*    | attention/            | split-KV buffers (grown  |
+|   (set), attn metadata .seq_threshold_3D, .causal, |   triton_backend.py  | once), launch shape,     |
+|   .mm_prefix_range_tensor, impl .chunk_lookback,  |                       | refusals                 |
+|   .sinks, .logits_soft_cap, .kv_cache_dtype       |                       |                          |
+| CommonAttentionMetadata .query_start_loc(_cpu),   | attention/*_backend.py| per-request query and    |
+|   .seq_lens(_cpu), .block_table_tensor, .num_reqs |                       | key extents              |
 """
 
 from __future__ import annotations
