@@ -96,3 +96,26 @@ def test_tool_runs_and_gets_the_hits_it_expects(smollm2_model, tmp_path):
     assert summary["block_attention"]["cached_equals_expected"] == [2, 2]
     assert summary["block_attention"]["doc_cache_fraction"] == 1.0
     assert (tmp_path / "accuracy-2.md").read_text().startswith("# Accuracy: 2 questions")
+
+
+def _record(qid: int, match: bool) -> dict:
+    return {"id": qid, "kind": "capital", "gold": "x", "answer": "x" if match else "y",
+            "match": match, "scores": [0.0], "rank_correct": match, "answer_doc": 0,
+            "topk": [[1, -0.1], [2, -2.5]], "num_cached": 0, "expected_cached": None,
+            "prompt_len": 10, "header_len": 2, "doc_len": 8}
+
+
+def test_report_only_compares_methods_on_the_questions_both_answered(tmp_path):
+    """A run cut short (one method complete, another partial, its last line cut by the
+    kill) is summarised over the questions every method answered, never mixing sizes."""
+    stock = [_record(i, i % 2 == 0) for i in range(6)]
+    (tmp_path / "records-stock.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stock))
+    epic = [_record(i, True) for i in range(4)]
+    (tmp_path / "records-epic.partial.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in epic) + '{"id": 4, "kin')
+    bench_accuracy.main(["--questions", "6", "--methods", "stock,epic", "--out", str(tmp_path),
+                         "--report-only", "--model", "unused"])
+    summary = json.loads((tmp_path / "accuracy-4.json").read_text())
+    assert summary["meta"]["questions"] == 4 and summary["meta"]["asked"] == 6
+    assert summary["methods"]["stock"]["exact_match"] == 0.5
+    assert summary["methods"]["epic"]["exact_match"] == 1.0

