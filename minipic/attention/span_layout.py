@@ -98,10 +98,9 @@ class SpanLayout:
     link_tokens[r]     how many link tokens its prompt holds. Links take no room: a
                        query at or past links_end stands link_tokens positions earlier
                        than its index, so the task sits right after the last document
-                       as in the plain prompt (measured: SmolLM2 answers twice as often
-                       as with the task pushed past the links, docs/accuracy.md). Its
-                       keys before links_end are seen link_tokens positions nearer; the
-                       keys at or past it keep their distances.
+                       as in the plain prompt (docs/accuracy.md measures the difference).
+                       Its keys before links_end are seen link_tokens positions nearer;
+                       the keys at or past it keep their distances.
     """
 
     span_of: torch.Tensor
