@@ -3,6 +3,7 @@ small run of the tool on a real engine."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import subprocess
@@ -109,10 +110,17 @@ def test_report_only_compares_methods_on_the_questions_both_answered(tmp_path):
     """A run cut short (one method complete, another partial, its last line cut by the
     kill) is summarised over the questions every method answered, never mixing sizes."""
     stock = [_record(i, i % 2 == 0) for i in range(6)]
-    (tmp_path / "records-stock.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stock))
-    epic = [_record(i, True) for i in range(4)]
-    (tmp_path / "records-epic.partial.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in epic) + '{"id": 4, "kin')
+    with gzip.open(tmp_path / "records-stock.jsonl.gz", "wt") as out:
+        out.write("".join(json.dumps(r) + "\n" for r in stock))
+    partial = tmp_path / "records-epic.partial.jsonl.gz"
+    with gzip.open(partial, "wt") as out:
+        for i in range(5):  # flushed after each batch, as the tool does
+            out.write(json.dumps(_record(i, True)) + "\n")
+            out.flush()
+            if i == 3:
+                four = partial.stat().st_size
+    partial.write_bytes(partial.read_bytes()[:four + 4])  # the kill cut the stream in record 4
+    assert len(bench_accuracy.read_records(tmp_path / "records-epic.partial.jsonl.gz")) == 4
     bench_accuracy.main(["--questions", "6", "--methods", "stock,epic", "--out", str(tmp_path),
                          "--report-only", "--model", "unused"])
     summary = json.loads((tmp_path / "accuracy-4.json").read_text())

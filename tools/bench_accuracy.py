@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gzip
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import platform
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -205,7 +207,7 @@ def run_method(args) -> None:
     todo = [(q, pr) for q, pr in zip(questions, prompts) if q.id not in done]
     llm = LLM(**engine_config(args.method, args.model, args.block_size, args.topk, options))
     started = time.monotonic()
-    with open(partial, "a" if args.resume else "w") as out:
+    with gzip.open(partial, "at" if args.resume else "wt") as out:
         for lo in range(0, len(todo), args.batch):
             batch = todo[lo:lo + args.batch]
             for record in answer_batch(llm, tokenizer, batch, args.topk):
@@ -379,25 +381,42 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
 
 
 def records_path(out: Path, method: str, tag: str) -> Path:
-    return out / f"records-{method}{'-' + tag if tag else ''}.jsonl"
+    # gzip: 500 records with their top-200 logprobs are 3 MB of JSON, 1 MB compressed.
+    return out / f"records-{method}{'-' + tag if tag else ''}.jsonl.gz"
 
 
 def partial_path(records: Path) -> Path:
     """Where a method's records grow while it runs (renamed to `records` when complete)."""
-    return records.with_suffix(".partial.jsonl")
+    return records.with_name(records.name.replace(".jsonl", ".partial.jsonl"))
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a (possibly partial) file; a line cut by a killed run is dropped."""
+    """The records of a (possibly partial) file, gzip or plain JSON lines; what a killed
+    run left cut (a truncated line or gzip stream) is dropped."""
     if not path.exists():
         return []
+    data = path.read_bytes()
+    text = _gunzip_prefix(data) if path.suffix == ".gz" else data
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.decode(errors="replace").splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             break
     return records
+
+
+def _gunzip_prefix(data: bytes) -> bytes:
+    """Everything the gzip members in `data` decode to, up to where a stream was cut (each
+    --resume appends a member; the writer flushes after every batch)."""
+    out = []
+    while data:
+        member = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        out.append(member.decompress(data))
+        if not member.eof:
+            break
+        data = member.unused_data
+    return b"".join(out)
 
 
 def run_child(args, method: str, records: Path) -> None:
@@ -484,7 +503,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--resume", action="store_true",
                    help="reuse a method's complete records file instead of running it again, "
-                   "and continue a partial one (records-METHOD.partial.jsonl) where it stopped")
+                   "and continue a partial one (records-METHOD.partial.jsonl.gz) where it stopped")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: summarise the records there are (partial ones too), over "
                    "the questions every method answered")
