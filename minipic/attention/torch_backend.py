@@ -13,7 +13,7 @@ handlers copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.attention.backend import (
@@ -61,6 +61,14 @@ class MiniPICTorchMetadata:
     # Per request, [queries, keys] visibility (span_layout.visible_keys), built once per
     # batch for all layers; None: plain causal attention.
     visible: list[torch.Tensor] | None = None
+    # Per request, (links_end, link_tokens) from the layout, read once per batch (not per
+    # layer); None without a layout.
+    links: list[tuple[int, int]] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.layout is not None:
+            self.links = list(zip(self.layout.links_end.tolist(),
+                                  self.layout.link_tokens.tolist()))
 
 
 class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]):
@@ -161,7 +169,7 @@ class MiniPICTorchImpl(AttentionImpl):
             k = rotate(k, torch.arange(seq_len, device=k.device), cos_sin,
                        rope.rotary_dim, rope.is_neox_style)
             visible = None if md.visible is None else md.visible[i]
-            near = links_take_no_room(q, md.layout, i, seq_len, rope, cos_sin)
+            near = links_take_no_room(q, md.links, i, seq_len, rope, cos_sin)
             out[qsl[i] : qsl[i + 1]] = causal_attention(
                 q, k, v, self.scale, self.logits_soft_cap, visible, near).to(out.dtype)
         return output
@@ -204,7 +212,7 @@ class MiniPICTorchImpl(AttentionImpl):
         """attend's `alternative` for the padded batch q [N, T, Hq, D]: each request's
         queries past its links turned back, and the keys before its links; None when no
         request has a query past its links."""
-        found = [links_take_no_room(q[n, :t], md.layout, i, s, rope, cos_sin)
+        found = [links_take_no_room(q[n, :t], md.links, i, s, rope, cos_sin)
                  for n, (i, t, s) in enumerate(zip(requests, lengths, seq_lens))]
         if all(f is None for f in found):
             return None
@@ -246,16 +254,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return attend(q[None], k[None], v[None], scale, soft_cap, visible[None], alternative)[0]
 
 
-def links_take_no_room(q: torch.Tensor, layout: SpanLayout | None, row: int, seq_len: int,
-                       rope, cos_sin: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+def links_take_no_room(q: torch.Tensor, links: list[tuple[int, int]] | None, row: int,
+                       seq_len: int, rope, cos_sin: torch.Tensor
+                       ) -> tuple[torch.Tensor, int] | None:
     """(q_near, links_end) for request `row`'s queries q [T, Hq, D] (the last T of
-    seq_len), None when it has no links. Queries at or past links_end stand link_tokens
+    seq_len), None when it has no links (`links`: MiniPICTorchMetadata.links). Queries at or past links_end stand link_tokens
     positions earlier (SpanLayout): against the keys before links_end they score
     rotated back by link_tokens; the other queries score as they are. None as well
     when no query is past the links (links and spans computing)."""
-    if layout is None or int(layout.link_tokens[row]) == 0:
+    if links is None or links[row][1] == 0:
         return None
-    end, room = int(layout.links_end[row]), int(layout.link_tokens[row])
+    end, room = links[row]
     after = torch.arange(seq_len - q.shape[0], seq_len, device=q.device) >= end
     if not bool(after.any()):
         return None

@@ -72,7 +72,7 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any, connector_cls: Any) -> dic
 
 
 def engine_namespace_fields(vllm_config: Any, kv_cache_config: Any, protocol: SpanProtocol,
-                     connector_cls: Any) -> dict[str, Any]:
+                            connector_cls: Any) -> dict[str, Any]:
     from minipic.connector.store.namespace import namespace_fields as fields
 
     mc, cc = vllm_config.model_config, vllm_config.cache_config
