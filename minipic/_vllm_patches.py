@@ -12,8 +12,8 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |                                                  |             | protocol to the block-hasher factory  |
 | v1.core.kv_cache_utils.get_request_block_hasher  | engine core | SSep/PDep hashing                     |
 |   (+ the copy imported into v1.engine.core)      |             |                                       |
-| model_executor.layers.rotary_embedding.base      | worker      | rotate Q only, register the rope for  |
-|   .RotaryEmbeddingBase.__init__                  |             | attention                             |
+| model_executor.layers.rotary_embedding.base      | worker      | register the rope for attention (its  |
+|   .RotaryEmbeddingBase.__init__                  |             | forward stays stock)                  |
 | v1.attention.selector.get_attn_backend           | worker      | pick minipic's position-free backend  |
 |   (+ the copy imported into model_executor.layers.attention.attention)               |
 | v1.worker.gpu_model_runner.GPUModelRunner        | worker      | let attention read marker blocks from |
@@ -51,15 +51,16 @@ versions, worker process unless said otherwise):
 |   .num_prompt_tokens                              |   span_layout.py      | request (prompt part)    |
 | MRV2 runner .req_states.all_token_ids.gpu,        | attention/            | same on Model Runner V2, |
 |   .prompt_len.gpu; prepare_inputs' idx_mapping    |   span_layout.py      | rows of the batch        |
-| RotaryEmbedding ._forward_method (set),           | attention/rope.py     | rotate Q only; fp32 cos/ |
-|   ._compute_cos_sin_cache, .head_size,            |                       | sin table for attention  |
-|   .rotary_dim, .is_neox_style, .scaling_factors   |                       |                          |
+| RotaryEmbedding ._compute_cos_sin_cache,          | attention/rope.py     | fp32 cos/sin table for   |
+|   .head_size, .rotary_dim, .is_neox_style,        |                       | attention                |
+|   .scaling_factors                                |                       |                          |
 | forward_context.get_forward_context().attn_metadata, | attention/links.py | the batch's metadata in  |
 |   Attention layer .layer_name                     |                       | the KV-cache write       |
-| TritonAttentionMetadataBuilder .softmax_segm_*    | attention/            | split-KV buffers (grown  |
-|   (set), attn metadata .seq_threshold_3D, .causal, |   triton_backend.py  | once), launch shape,     |
-|   .mm_prefix_range_tensor, impl .chunk_lookback,  |                       | refusals                 |
-|   .sinks, .logits_soft_cap, .kv_cache_dtype       |                       |                          |
+| FlashAttentionMetadataBuilder .num_heads_kv,      | attention/            | split-KV scratch of the  |
+|   .num_heads_q, .headdim, .block_size, .device;   |   flash_backend.py    | span kernel, refusals;   |
+|   attn metadata .causal, .mm_prefix_range_tensor, |                       | the KV cache write and   |
+|   impl .sliding_window, .sinks, .logits_soft_cap, |                       | plain batches are        |
+|   .kv_cache_dtype, .alibi_slopes                  |                       | FlashAttention's own     |
 | CommonAttentionMetadata .query_start_loc(_cpu),   | attention/*_backend.py| per-request query and    |
 |   .seq_lens(_cpu), .block_table_tensor, .num_reqs |                       | key extents              |
 """
@@ -225,12 +226,12 @@ def _patch_rotary_embedding_init() -> None:
     def make(original):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            # Subclasses call this __init__ first and finish their own setup
-            # after; the switch only swaps the bound forward, set by CustomOp.
+            # Subclasses call this __init__ first and finish their own setup after:
+            # the rope's table is registered, its forward is left as it is.
             if _minipic_on_for_current_config():
-                from minipic.attention.rope import make_query_only
+                from minipic.attention.rope import register_rope
 
-                make_query_only(self)
+                register_rope(self)
         return __init__
 
     _wrap(base.RotaryEmbeddingBase, "__init__", make)
@@ -257,29 +258,24 @@ def _register_runner_after_init(original):
     minipic's segment table, and drop rotary embeddings cached for another engine."""
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
-        minipic_on = is_enabled(vllm_config)
-        _forget_cached_ropes(keep_stock=not minipic_on)
-        if minipic_on:
+        if is_enabled(vllm_config):
             from minipic.attention.rope import reset_rope
             from minipic.attention.span_layout import register_runner
             from minipic.config import mask_markers
 
             # first: it may refuse
             register_runner(self, span_protocol_of(vllm_config), mask_markers(vllm_config))
+            _forget_cached_ropes()
             reset_rope()
     return __init__
 
 
-def _forget_cached_ropes(keep_stock: bool) -> None:
-    """vLLM's get_rope caches instances per process (_ROPE_DICT). A second engine in
-    the same process must not get the first one's: a Q-only rope in a stock engine
-    would leave K unrotated. minipic engines rebuild all (each registers itself)."""
+def _forget_cached_ropes() -> None:
+    """vLLM's get_rope caches instances per process (_ROPE_DICT): a minipic engine
+    must build its own, so that each registers itself (attention.rope)."""
     from vllm.model_executor.layers import rotary_embedding
 
-    cache = getattr(rotary_embedding, "_ROPE_DICT", {})
-    for key, rope in list(cache.items()):
-        if not keep_stock or getattr(rope, "minipic_query_only", False):
-            del cache[key]
+    getattr(rotary_embedding, "_ROPE_DICT", {}).clear()
 
 
 def _patch_model_runner_init() -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-# Fusions that apply RoPE to K inside another kernel, bypassing minipic's
-# Q-only rotation (vLLM compilation pass-config names).
-_ROPE_FUSIONS = ("enable_qk_norm_rope_fusion", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")
+# Compilation passes (vLLM pass-config names) that fuse RoPE into the KV cache write:
+# the write would skip minipic's turn of span keys into their frames (attention/links.py).
+_ROPE_KV_FUSIONS = ("fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")
 
 
 class UnsupportedModelError(ValueError):
@@ -56,16 +56,17 @@ def model_problems(vllm_config: Any) -> list[str]:
     problems += _connector_problems(vllm_config) + _mask_markers_problems(vllm_config)
     pass_config = vllm_config.compilation_config.pass_config
     problems += [
-        f"compilation pass {name}: it fuses RoPE into K, minipic needs K unrotated; turn it off"
-        for name in _ROPE_FUSIONS if getattr(pass_config, name, False)
+        f"compilation pass {name}: it fuses RoPE into the KV cache write, which would skip "
+        "minipic's turn of span keys into their frames; turn it off"
+        for name in _ROPE_KV_FUSIONS if getattr(pass_config, name, False)
     ]
     return problems
 
 
 def _connector_problems(vllm_config: Any) -> list[str]:
-    """Only minipic's own connector may move this instance's KV blocks: they hold K
-    unrotated, stock vLLM's hold it rotated, and the block hashes of plain prompts are
-    the same in both, so a stock store or transfer could hand one kind to the other."""
+    """Only minipic's own connector may move this instance's KV blocks: span blocks
+    hold K rotated in their span's frame, stock vLLM's blocks at their positions, so a
+    stock store or transfer could hand one kind to the other."""
     from minipic.config import CONNECTOR_NAME
 
     kv = getattr(vllm_config, "kv_transfer_config", None)

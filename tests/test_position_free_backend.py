@@ -1,8 +1,9 @@
 """The torch position-free backend equals attention over keys rotated by vLLM's own RoPE.
 
-The reference rotates Q and K with vLLM's stock `forward_static` (cache-time
-rotation, as stock vLLM does); minipic's backend gets Q rotated and K
-unrotated in the paged cache, and must produce the same output.
+The reference rotates Q and K with vLLM's stock `forward_static` (as stock vLLM
+does) and attends by the span rule; minipic's backend gets the same rotated Q and K,
+stores K in its frame (span_layout.SpanLayout.frame_offset) and must produce the same
+output.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def stock_rotate(rope, positions, x):
     return out.view(n, h, d)
 
 
-def reference_attention(q_rot, k_rot, v, scale, prefix_len):
+def reference_attention(q_rot, k_rot, v, scale, prefix_len, mask=None):
     group = q_rot.shape[1] // k_rot.shape[1]
     k_rot, v = k_rot.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     t, s = q_rot.shape[0], k_rot.shape[0]
-    mask = torch.arange(s)[None, :] <= (prefix_len + torch.arange(t))[:, None]
+    if mask is None:
+        mask = torch.arange(s)[None, :] <= (prefix_len + torch.arange(t))[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         q_rot.transpose(0, 1), k_rot.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
@@ -59,21 +61,30 @@ def reference_attention(q_rot, k_rot, v, scale, prefix_len):
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("rotary_fraction", [1.0, 0.5], ids=["full", "partial"])
 @pytest.mark.parametrize("rope_kind", ["default", "llama3"])
-def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_kind):
+@pytest.mark.parametrize("markers", [None, ["-S", "-SS", "-S", ""]], ids=["plain", "spans"])
+def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_kind, markers,
+                                     monkeypatch):
+    """Plain batches: K stored as the model rotated it, read as it is. Span batches: K
+    written in its span's frame and turned forward when read; spans see only themselves
+    (the reference applies span_layout.visible_keys, keys at their indices)."""
     from minipic.attention import rope as rope_registry
-    from minipic.attention.torch_backend import MiniPICTorchImpl, MiniPICTorchMetadata
+    from minipic.attention import torch_backend as tb
+    from minipic.attention.span_layout import visible_keys
+    from minipic.devtools.paged_attention_case import marker_layout
 
     torch.manual_seed(0)
     num_heads, num_kv_heads = 8, 2
     rotary_dim = int(head_size * rotary_fraction)
     rope = make_rope(rope_kind, head_size, rotary_dim, is_neox)
     rope_registry.reset_rope()
-    rope_registry.make_query_only(rope)
-    impl = MiniPICTorchImpl(num_heads, head_size, head_size**-0.5, num_kv_heads,
-                                 None, None, "auto")
+    rope_registry.register_rope(rope)
+    impl = tb.MiniPICTorchImpl(num_heads, head_size, head_size**-0.5, num_kv_heads,
+                               None, None, "auto")
     kv_cache = torch.zeros(NUM_BLOCKS, num_kv_heads, BLOCK_SIZE, 2 * head_size)
     # Each request owns scattered, non-contiguous blocks.
     block_table = torch.randperm(NUM_BLOCKS).view(len(MIXED_BATCH), -1)
+    seq_lens = [p + n for p, n in MIXED_BATCH]
+    layout = None if markers is None else marker_layout(markers, 4, BLOCK_SIZE)
 
     queries, expected, query_start_loc = [], [], [0]
     for i, (prefix, new) in enumerate(MIXED_BATCH):
@@ -82,36 +93,44 @@ def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_k
         v = torch.randn(seq_len, num_kv_heads, head_size)
         q = torch.randn(new, num_heads, head_size)
         slots = block_table[i, torch.arange(seq_len) // BLOCK_SIZE] * BLOCK_SIZE + torch.arange(seq_len) % BLOCK_SIZE
-        impl.do_kv_cache_update(None, k, v, kv_cache, slots)  # K unrotated
         q_rot = stock_rotate(rope, torch.arange(prefix, seq_len), q)
-        k_rot = stock_rotate(rope, torch.arange(seq_len), k)
+        k_rot = stock_rotate(rope, torch.arange(seq_len), k)  # what the model hands attention
+        turn = None if layout is None else layout.frame_offset[i, torch.arange(seq_len) // BLOCK_SIZE]
+        monkeypatch.setattr(tb, "batch_metadata", lambda layer: SimpleNamespace(key_turn=turn))
+        impl.do_kv_cache_update(None, k_rot, v, kv_cache, slots)
         queries.append(q_rot)
-        expected.append(reference_attention(q_rot, k_rot, v, impl.scale, prefix))
+        mask = None if layout is None else visible_keys(layout, i, seq_len, new, BLOCK_SIZE)
+        expected.append(reference_attention(q_rot, k_rot, v, impl.scale, prefix, mask))
         query_start_loc.append(query_start_loc[-1] + new)
 
     query = torch.cat(queries)
     output = torch.empty_like(query)
-    metadata = MiniPICTorchMetadata(
+    metadata = tb.MiniPICTorchMetadata(
         num_actual_tokens=query.shape[0], query_start_loc=query_start_loc,
-        seq_lens=[p + n for p, n in MIXED_BATCH], block_table=block_table, block_size=BLOCK_SIZE)
+        seq_lens=seq_lens, block_table=block_table, block_size=BLOCK_SIZE, layout=layout,
+        visible=None if layout is None else [
+            visible_keys(layout, i, s, n, BLOCK_SIZE)
+            for i, (s, (_, n)) in enumerate(zip(seq_lens, MIXED_BATCH))])
     impl.forward(None, query, None, None, kv_cache, metadata, output)
     torch.testing.assert_close(output, torch.cat(expected), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rope_kind", ["default", "llama3"])
-def test_query_only_rope_leaves_k_unrotated(rope_kind):
-    """What reaches the KV cache: the model's rope (as minipic switches it) must hand K
-    back untouched and rotate Q exactly as stock vLLM does."""
+def test_registered_rope_stays_stock(rope_kind):
+    """minipic registers the model's rope and leaves its forward alone: Q and K leave
+    it rotated exactly as stock vLLM rotates them (a plain prompt's cache is stock)."""
     from minipic.attention import rope as rope_registry
 
     rope = make_rope(rope_kind, 64, 64, True)
     rope_registry.reset_rope()
-    rope_registry.make_query_only(rope)
+    rope_registry.register_rope(rope)
     positions = torch.arange(5, 45)
     q, k = torch.randn(40, 2 * 64), torch.randn(40, 64)
     q_out, k_out = rope(positions, q.clone(), k.clone())
-    assert torch.equal(k_out, k)
     torch.testing.assert_close(q_out.view(40, 2, 64), stock_rotate(rope, positions, q.view(40, 2, 64)))
+    torch.testing.assert_close(k_out.view(40, 1, 64), stock_rotate(rope, positions, k.view(40, 1, 64)))
+    assert torch.equal(rope_registry.current_rope().cos_sin_fp32,
+                       rope._compute_cos_sin_cache().float())
 
 
 def test_cache_update_skips_unkept_slots_anywhere_in_the_batch():
@@ -133,7 +152,7 @@ def test_a_rope_over_part_of_each_head_is_refused_at_load():
     from minipic.attention.torch_backend import MiniPICTorchImpl, UnsupportedAttentionError
 
     rope_registry.reset_rope()
-    rope_registry.make_query_only(make_rope("default", 32, 32, True))  # 32 of 96 dims
+    rope_registry.register_rope(make_rope("default", 32, 32, True))  # 32 of 96 dims
     impl = MiniPICTorchImpl(2, 96, 0.1, 1, None, None, "auto")
     with pytest.raises(UnsupportedAttentionError, match="covers 32 of each head's 96"):
         impl.process_weights_after_loading(torch.float32)
@@ -156,11 +175,11 @@ def test_refuses_unsupported_layer_features(feature):
 def test_refuses_rope_with_its_own_position_math():
     from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
-    from minipic.attention.rope import UnsupportedRopeError, make_query_only
+    from minipic.attention.rope import UnsupportedRopeError, register_rope
 
     mrope = MRotaryEmbedding(64, 64, 4096, 10000.0, True, torch.float32, mrope_section=[16, 8, 8])
     with pytest.raises(UnsupportedRopeError, match="MRotaryEmbedding"):
-        make_query_only(mrope)
+        register_rope(mrope)
 
 
 def test_a_layer_that_chose_a_stock_backend_is_refused():
@@ -185,7 +204,6 @@ def test_batched_short_queries_ignore_stale_cache_slots():
     the result equals attending to each request alone."""
     from types import SimpleNamespace
 
-    from minipic.attention.rotation import rotate
     from minipic.attention.torch_backend import (
         MiniPICTorchImpl, MiniPICTorchMetadata, causal_attention, gather_request_kv)
 
@@ -207,8 +225,7 @@ def test_batched_short_queries_ignore_stale_cache_slots():
     got = impl._short_queries(q_all, kv_cache, md, [0, 1], rope, cos_sin)
     alone = []
     for i, (start, n) in enumerate(zip([0, 2], query_lens)):
-        k, v = gather_request_kv(kv_cache, table[i], seq_lens[i], d)
-        k = rotate(k, torch.arange(seq_lens[i]), cos_sin, d, True)
+        k, v = gather_request_kv(kv_cache, table[i], seq_lens[i], d)  # plain: K as stored
         alone.append(causal_attention(q_all[start:start + n], k, v, 0.3))
     assert torch.isfinite(got).all()
     assert torch.allclose(got, torch.cat(alone), atol=1e-5)

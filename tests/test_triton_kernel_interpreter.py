@@ -37,9 +37,10 @@ CASES = {
                          head_size=32, dtype="float32"), {}),
     "decode_split_kv_fp16": (dict(query_lens=[1, 1, 1], context_lens=[40, 5, 70], num_q_heads=4,
                                   num_kv_heads=2, head_size=64), {"split_kv": True}),
-    "angle_add_mscale_fp32": (dict(query_lens=[3, 1], context_lens=[37, 50], num_q_heads=2,
-                                   num_kv_heads=1, head_size=32, mscale=1.25, dtype="float32"),
-                              {"rope_mode": "ROPE_ANGLE_ADD"}),
+    # keys turned between frames with a table that folds an mscale in: a pure rotation
+    "frames_mscale_fp32": (dict(query_lens=[3, 1], context_lens=[77, 50], num_q_heads=2,
+                                num_kv_heads=1, head_size=32, mscale=1.25, dtype="float32",
+                                markers=["-S-S-LLP", "-SS-"]), {"config": "PREFETCH"}),
     "prefill_config_fp16": (dict(query_lens=[18], context_lens=[5], num_q_heads=2, num_kv_heads=1,
                                  head_size=32), {"config": "PREFILL_SMALL"}),
     "prefetch_mixed_fp16": (dict(query_lens=[1, 7, 20], context_lens=[40, 13, 0], num_q_heads=4,
@@ -96,8 +97,8 @@ CASES = {
                             {"config": "PREFETCH"}),
 }
 TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
-# Through MiniPICTritonImpl.forward, with the KV cache in each vLLM layout.
-BACKEND_CASES = ("backend_forward_5d_cache", "backend_forward_4d_cache")
+# Through MiniPICFlashImpl.forward, with vLLM 0.25's KV cache layout: a span batch.
+BACKEND_CASES = ("backend_forward_spans",)
 # Through the backend's KV cache write and forward with EPIC links: Q and K turned back.
 BACKEND_LINK_CASE = "backend_links_turn_back_fp32"
 
@@ -120,8 +121,6 @@ def _run_case(name: str) -> float:
         "PREFILL_SMALL": tk.LaunchConfig(block_m=32, tile_size=16),
         "PREFETCH": tk.LaunchConfig(block_m=16, tile_size=16, prefetch=True),
     }[opts.get("config")]
-    if "rope_mode" in opts:
-        config = tk.LaunchConfig(block_m=16, tile_size=16, rope_mode=getattr(tk, opts["rope_mode"]))
     segm = {}
     if opts.get("split_kv"):
         buffers = tk.segment_buffers(case.q.shape[0], case.q.shape[1], case.q.shape[2], "cpu")
@@ -153,7 +152,7 @@ def _set_every_logit(case, logit: float) -> None:
     owned = ~torch.isnan(case.k_cache)  # NaN marks slots no request owns
     k_cache = case.k_cache.float()
     k_cache[owned] = direction.expand_as(k_cache)[owned]
-    case.k_cache = k_cache.to(case.q.dtype)
+    case.k_cache = case.k_model = k_cache.to(case.q.dtype)  # no rotation touches these dims
     a = -logit / (direction.sum().item() * case.scale)
     case.q = (-a * direction).expand_as(case.q).contiguous().to(case.q.dtype)
 
@@ -161,44 +160,52 @@ def _set_every_logit(case, logit: float) -> None:
 def _run_backend_forward(name: str) -> float | str:
     """Child process: the backend's forward on vLLM-shaped inputs (needs vLLM importable)."""
     import importlib.util
-    from types import SimpleNamespace
 
     import torch
 
     if importlib.util.find_spec("vllm") is None:
         return "skipped: vllm is not installed"
-    from minipic.attention import triton_backend as tb
-    from minipic.attention import triton_kernel as tk
+    from minipic.attention import flash_backend as fb
     from minipic.attention.rope import RopeParams
     from minipic.devtools.paged_attention_case import make_case, reference_attention, relative_error
 
     case = make_case([1, 6, 3], [33, 10, 0], num_q_heads=4, num_kv_heads=2, head_size=64,
-                     seed=7)
-    tb.current_rope = lambda: RopeParams(head_size=64, rotary_dim=case.rotary_dim,
+                     markers=["-S-", "-S", "S"], seed=7)
+    fb.current_rope = lambda: RopeParams(head_size=64, rotary_dim=case.rotary_dim,
                                          is_neox_style=case.is_neox, cos_sin_fp32=case.cos_sin)
-    blocks, bs, heads, dim = case.k_cache.shape
-    if name == "backend_forward_5d_cache":  # vLLM 0.25: [blocks, 2, block_size, heads, dim]
-        kv_cache = torch.stack((case.k_cache, case.v_cache), dim=1)
-    else:  # later: [blocks, heads, block_size, 2 * dim]
-        kv_cache = torch.cat((case.k_cache, case.v_cache), dim=-1).transpose(1, 2).contiguous()
-    k_view, v_view = tb.split_kv_cache(kv_cache, dim)
-    assert torch.equal(k_view.nan_to_num(), case.k_cache.nan_to_num())
-    assert torch.equal(v_view.nan_to_num(), case.v_cache.nan_to_num())
-    segm = tk.segment_buffers(8, 4, 64, "cpu")
-    md = SimpleNamespace(
-        num_actual_tokens=case.q.shape[0], query_start_loc=case.cu_seqlens_q,
-        seq_lens=case.seq_lens, max_query_len=case.max_seqlen_q, block_table=case.block_table,
-        causal=True, mm_prefix_range_tensor=None, seq_threshold_3D=8,
-        softmax_segm_output=segm[0], softmax_segm_max=segm[1], softmax_segm_expsum=segm[2])
-    impl = tb.MiniPICTritonImpl(num_heads=4, head_size=64, scale=case.scale, num_kv_heads=2,
-                                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    kv_cache = torch.stack((case.k_cache, case.v_cache), dim=1)  # [blocks, 2, bs, heads, dim]
     out = torch.full_like(case.q, float("nan"))
-    impl.forward(None, case.q, None, None, kv_cache, md, out)
+    _flash_impl(fb, 64, case.scale).forward(None, case.q, None, None, kv_cache,
+                                            _span_metadata(case, case.q), out)
     return relative_error(out, reference_attention(case))
 
 
+def _flash_impl(fb, head_size: int, scale: float):
+    """A MiniPICFlashImpl with what its span path reads (FlashAttention's own __init__
+    looks for a FlashAttention build, which the CPU has not)."""
+    impl = object.__new__(fb.MiniPICFlashImpl)
+    impl.num_heads, impl.head_size, impl.scale, impl._cos_sin = 4, head_size, scale, None
+    return impl
+
+
+def _span_metadata(case, query):
+    """FlashAttention-shaped metadata of a span batch, as MiniPICFlashMetadataBuilder
+    leaves it."""
+    from types import SimpleNamespace
+
+    from minipic.attention import triton_kernel as tk
+
+    return SimpleNamespace(
+        num_actual_tokens=query.shape[0], query_start_loc=case.cu_seqlens_q,
+        seq_lens=case.seq_lens, max_query_len=case.max_seqlen_q, block_table=case.block_table,
+        causal=True, mm_prefix_range_tensor=None, minipic_tables=case.layout,
+        minipic_span_block_size=case.block_size, minipic_token_shift=None,
+        minipic_segments=tk.segment_buffers(64, query.shape[1], query.shape[2], "cpu"),
+        minipic_seq_threshold_3d=8)
+
+
 def _run_backend_links() -> float | str:
-    """Child process: link tokens through MiniPICTritonImpl.do_kv_cache_update and forward,
+    """Child process: link tokens through MiniPICFlashImpl.do_kv_cache_update and forward,
     against attention computed at the tokens' logical positions (each link token at its
     index minus its shift, the task after the links minus the link tokens) under
     span_layout.visible_keys: no turn-back in the reference."""
@@ -209,13 +216,12 @@ def _run_backend_links() -> float | str:
 
     if importlib.util.find_spec("vllm") is None:
         return "skipped: vllm is not installed"
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
+    from minipic.attention import flash_backend as fb
     from minipic.attention import rope as rope_registry
-    from minipic.attention import triton_backend as tb
-    from minipic.attention import triton_kernel as tk
     from minipic.attention.rotation import rotate
-    from minipic.attention.span_layout import token_shifts, visible_keys
+    from minipic.attention.span_layout import key_turn_backs, token_shifts, visible_keys
     from minipic.devtools.paged_attention_case import make_case, relative_error
 
     # the EPIC hit (links and task computed over cached header and spans), a decode in a link
@@ -225,22 +231,24 @@ def _run_backend_links() -> float | str:
     rope_registry._current = rope_registry.RopeParams(
         head_size=dim, rotary_dim=case.rotary_dim, is_neox_style=case.is_neox,
         cos_sin_fp32=case.cos_sin)
-    tb.current_rope = rope_registry.current_rope  # undo _run_backend_forward's stand-in
+    fb.current_rope = rope_registry.current_rope  # undo _run_backend_forward's stand-in
     seq_lens = case.seq_lens.tolist()
     shift = [layout.shift[i, torch.arange(n) // bs].long() for i, n in enumerate(seq_lens)]
-    k_raw = [case.k_cache[case.block_table[i, torch.arange(n) // bs].long(), torch.arange(n) % bs]
-             for i, n in enumerate(seq_lens)]  # what the model computes, unrotated
+    k_raw = [case.k_model[case.block_table[i, torch.arange(n) // bs].long(), torch.arange(n) % bs]
+             for i, n in enumerate(seq_lens)]  # what the model computes, before RoPE
 
-    # Every key written as the steps that computed them would: one write of all tokens.
+    # Every key written as the steps that computed them would: one write of all tokens,
+    # each K as the model's RoPE hands it (rotated at its index).
     stored = {}
-    TritonAttentionImpl.do_kv_cache_update = (
+    FlashAttentionImpl.do_kv_cache_update = (
         lambda self, layer, key, value, kv_cache, slot_mapping: stored.update(key=key))
     whole = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
-    tb.batch_metadata = lambda layer: SimpleNamespace(
-        minipic_token_shift=token_shifts(layout, whole, seq_lens, bs))
-    impl = tb.MiniPICTritonImpl(num_heads=4, head_size=dim, scale=case.scale, num_kv_heads=2,
-                                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
-    impl.do_kv_cache_update(None, torch.cat(k_raw), None, None, None)
+    fb.batch_metadata = lambda layer: SimpleNamespace(
+        minipic_key_turn=key_turn_backs(layout, whole, seq_lens, bs))
+    impl = _flash_impl(fb, dim, case.scale)
+    impl.do_kv_cache_update(None, torch.cat([
+        rotate(k, torch.arange(k.shape[0]), case.cos_sin, case.rotary_dim, case.is_neox)
+        for k in k_raw]), None, None, None)
     k_cache = case.k_cache.clone()
     for i, n in enumerate(seq_lens):
         rows = stored["key"][whole[i]: whole[i + 1]]
@@ -251,15 +259,8 @@ def _run_backend_links() -> float | str:
     physical = torch.cat([torch.arange(c, c + q) for q, c in zip(case.query_lens,
                                                                    case.context_lens)])
     query = rotate(q_raw, physical, case.cos_sin, case.rotary_dim, case.is_neox)  # the model's Q
-    segm = tk.segment_buffers(64, 4, dim, "cpu")
-    md = SimpleNamespace(
-        num_actual_tokens=query.shape[0], query_start_loc=case.cu_seqlens_q,
-        seq_lens=case.seq_lens, max_query_len=case.max_seqlen_q, block_table=case.block_table,
-        causal=True, mm_prefix_range_tensor=None, seq_threshold_3D=8,
-        softmax_segm_output=segm[0], softmax_segm_max=segm[1], softmax_segm_expsum=segm[2],
-        minipic_tables=layout,
-        minipic_has_spans=True, minipic_span_block_size=bs,
-        minipic_token_shift=token_shifts(layout, starts, seq_lens, bs))
+    md = _span_metadata(case, query)
+    md.minipic_token_shift = token_shifts(layout, starts, seq_lens, bs)
     out = torch.full_like(query, float("nan"))
     impl.forward(None, query, None, None, torch.stack((k_cache, case.v_cache), dim=1), md, out)
 

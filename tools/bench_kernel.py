@@ -2,20 +2,20 @@
 
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head 128, bf16,
 block 16). Every variant reads the same paged cache through a shuffled block
-table; minipic reads K unrotated and rotates it per tile, the stock kernels
-read the same keys pre-rotated (what stock vLLM stores):
+table, keys rotated at their positions (stock vLLM's cache, and minipic's for keys
+whose frame offset is 0):
 
   stock         vLLM's Triton `unified_attention` (the TRITON_ATTN backend's kernel)
   stock_again   the same, timed a second time: the noise floor of a ratio
-  minipic       minipic's kernel with default configs and span tables that say "no spans"
-                (what a CUDA graph the backend captured reads on a batch without markers)
-  minipic_noseg the same without the tables (HAS_SPAN_TABLES compiled out): what the backend
-                launches eagerly for a batch without markers
-  minipic_angle the same with cos/sin by angle addition (ROPE_ANGLE_ADD)
-  minipic_norot minipic's kernel with the rotation compiled out, on pre-rotated K
+  minipic       minipic's span kernel with default configs and span tables whose frame
+                offsets are all 0: the work of a batch with markers (every K tile turned
+                by its frame offsets, span and link rules applied)
+  minipic_noseg the same kernel without the tables (HAS_SPAN_TABLES compiled out: no
+                rotation, plain causal attention)
   minipic_m16   (prefill) minipic at the stock kernel's tile shape (16 rows x 32 keys)
-  m16_norot     (prefill) the same without rotation
-  fa3           FlashAttention 3 from vLLM's bundle (`flash_attn_varlen_func`, fa_version=3)
+  m16_noseg     (prefill) the same without tables
+  fa3           FlashAttention 3 from vLLM's bundle (`flash_attn_varlen_func`, fa_version=3):
+                what minipic's backend runs for a batch without markers
 
 Each launch is captured in a CUDA graph and timed with `triton.testing.do_bench`
 (median; the L2 cache is flushed before every run). Outputs: results.json,
@@ -63,7 +63,6 @@ DECODE_SWEEP = [tk.LaunchConfig(m, t, w, s, prefetch=p) for m, t, w, s, p in
 class KVPool:
     """One shuffled paged cache big enough for every case; request b owns row b of `table`."""
 
-    k: torch.Tensor  # unrotated, minipic's cache
     k_rot: torch.Tensor  # rotated by position, stock vLLM's cache
     v: torch.Tensor
     table: torch.Tensor  # [max_seqs, max_blocks_per_seq] int32
@@ -89,7 +88,7 @@ class KVPool:
             pos = (block_pos[chunk, None] + slots).flatten()
             k_rot[chunk] = rotate(k[chunk].flatten(0, 1), pos, cos_sin, HEAD, True).to(
                 DTYPE).view_as(k[chunk])
-        return cls(k, k_rot, v, table, cos_sin)
+        return cls(k_rot, v, table, cos_sin)
 
 
 @dataclasses.dataclass
@@ -130,20 +129,20 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
             num_par_softmax_segments=tk.NUM_SEGMENTS, softmax_segm_output=segm[0],
             softmax_segm_max=segm[1], softmax_segm_expsum=segm[2])
 
-    # Span tables of a batch without markers: no span, context position = key index.
+    # Span tables with no span and every frame offset 0: the kernel does a span batch's
+    # work (every tile turned, the rules applied) and its output is stock attention's.
     span_of = torch.full(table.shape, -1, dtype=torch.int32, device="cuda")
     context_pos = (torch.arange(table.shape[1], dtype=torch.int32, device="cuda") * BLOCK
                    ).expand(table.shape).contiguous()
-    plain = SpanLayout(span_of, context_pos, torch.zeros_like(span_of))
+    zeros = torch.zeros_like(span_of)
+    plain = SpanLayout(span_of, context_pos, zeros, zeros)
 
-    def minipic(k=pool.k, mode=None, config=None, segments=True):
+    def minipic(config=None, segments=True):
         if config is None:
             use_3d = step.q_len == 1 and step.num_seqs <= SEQ_THRESHOLD_3D
             config = tk.choose_config(step.q_len, use_3d)
-        if mode is not None:
-            config = dataclasses.replace(config, rope_mode=mode)
         return lambda: tk.unified_attention_rope(
-            q, k, pool.v, out, cu_seqlens_q=cu, seqused_k=lens, max_seqlen_q=step.q_len,
+            q, pool.k_rot, pool.v, out, cu_seqlens_q=cu, seqused_k=lens, max_seqlen_q=step.q_len,
             block_table=table, softmax_scale=scale, cos_sin=pool.cos_sin, rotary_dim=HEAD,
             is_neox_style=True, segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
             seq_threshold_3d=SEQ_THRESHOLD_3D, config=config,
@@ -159,15 +158,13 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
         "stock": stock,
         "minipic": minipic(),
         "minipic_noseg": minipic(segments=False),
-        "minipic_angle": minipic(mode=tk.ROPE_ANGLE_ADD),
-        "minipic_norot": minipic(k=pool.k_rot, mode=tk.ROPE_NONE),
         "stock_again": stock,
         "fa3": fa3,
     }
     if with_m16:
         m16 = tk.LaunchConfig(block_m=16, tile_size=32)
         variants["minipic_m16"] = minipic(config=m16)
-        variants["m16_norot"] = minipic(k=pool.k_rot, mode=tk.ROPE_NONE, config=m16)
+        variants["m16_noseg"] = minipic(config=m16, segments=False)
     return variants
 
 
@@ -216,25 +213,22 @@ def sweep_launchers(step: Step, pool: KVPool, out: torch.Tensor) -> dict:
     decode = step.q_len == 1
     big_segm = tk.segment_buffers(step.num_seqs, Q_HEADS, HEAD, "cuda")
     variants = {}
-    for config in DECODE_SWEEP if decode else SWEEP:
-        for mode in (tk.ROPE_TABLE, tk.ROPE_ANGLE_ADD):
-            for split in ((False, True) if decode else (False,)):
-                c = dataclasses.replace(config, rope_mode=mode)
-                name = (f"m{c.block_m}_t{c.tile_size}_w{c.num_warps}_s{c.num_stages}"
-                        f"_p{int(c.prefetch)}_r{mode}" + ("_3d" if split else ""))
-                segm = dict(zip(("segm_output", "segm_max", "segm_expsum"), big_segm),
-                            seq_threshold_3d=step.num_seqs) if split else {}
-                variants[name] = (lambda c=c, segm=segm: tk.unified_attention_rope(
-                    q, pool.k, pool.v, out, cu_seqlens_q=cu, seqused_k=lens,
-                    max_seqlen_q=step.q_len, block_table=table, softmax_scale=HEAD ** -0.5,
-                    cos_sin=pool.cos_sin, rotary_dim=HEAD, is_neox_style=True, config=c, **segm))
+    for c in DECODE_SWEEP if decode else SWEEP:
+        for split in ((False, True) if decode else (False,)):
+            name = (f"m{c.block_m}_t{c.tile_size}_w{c.num_warps}_s{c.num_stages}"
+                    f"_p{int(c.prefetch)}" + ("_3d" if split else ""))
+            segm = dict(zip(("segm_output", "segm_max", "segm_expsum"), big_segm),
+                        seq_threshold_3d=step.num_seqs) if split else {}
+            variants[name] = (lambda c=c, segm=segm: tk.unified_attention_rope(
+                q, pool.k_rot, pool.v, out, cu_seqlens_q=cu, seqused_k=lens,
+                max_seqlen_q=step.q_len, block_table=table, softmax_scale=HEAD ** -0.5,
+                cos_sin=pool.cos_sin, rotary_dim=HEAD, is_neox_style=True, config=c, **segm))
     return variants
 
 
 def ratio_table(rows: list[dict], key: str, label: str) -> list[str]:
     """Markdown: times of stock/FA3 and each variant's time over stock's."""
-    names = ["minipic", "minipic_noseg", "minipic_angle", "minipic_norot", "minipic_m16",
-             "m16_norot", "stock_again", "fa3"]
+    names = ["minipic", "minipic_noseg", "minipic_m16", "m16_noseg", "stock_again", "fa3"]
     names = [n for n in names if any(n in r["ms"] for r in rows)]
     head = ([label, "stock ms", "fa3 ms", "minipic ms"] + [f"{n}/stock" for n in names]
             + ["minipic/fa3"])
@@ -258,7 +252,7 @@ def plot(results: dict, path: Path) -> None:
     fig, (ax_p, ax_d) = plt.subplots(1, 2, figsize=(12, 4.5))
     pre = results["prefill"]
     xs = [r["q_len"] for r in pre]
-    for name, style in (("minipic", "o-"), ("minipic_norot", "x--"), ("fa3", "s:")):
+    for name, style in (("minipic", "o-"), ("minipic_noseg", "x--"), ("fa3", "s:")):
         ys = [r["ms"][name] / r["ms"]["stock"] if name in r["ms"] else math.nan for r in pre]
         ax_p.plot(xs, ys, style, label=f"{name} / stock")
     ax_p.set(xscale="log", xlabel="prefill tokens (one request)",

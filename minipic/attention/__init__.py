@@ -1,1 +1,1 @@
-"""Position-free KV (worker processes): Q-only RoPE, keys rotated inside attention."""
+"""Position-free KV (worker processes): span keys stored in their frames, moved inside attention."""

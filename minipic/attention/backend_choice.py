@@ -14,14 +14,14 @@ def position_free_backend() -> type:
     if current_platform.is_cuda():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-        from minipic.attention.triton_backend import MiniPICTritonBackend
+        from minipic.attention.flash_backend import MiniPICFlashBackend
 
         # vLLM resolves backends by get_name() in places (e.g. KV connectors):
         # the CUSTOM slot is its public registry entry for out-of-tree backends.
         register_backend(AttentionBackendEnum.CUSTOM,
-                         f"{MiniPICTritonBackend.__module__}.{MiniPICTritonBackend.__qualname__}")
-        return MiniPICTritonBackend
+                         f"{MiniPICFlashBackend.__module__}.{MiniPICFlashBackend.__qualname__}")
+        return MiniPICFlashBackend
     raise RuntimeError(
         f"minipic has no position-free attention backend for platform "
-        f"{current_platform.device_name!r}: supported are CPU (torch) and CUDA (Triton)"
+        f"{current_platform.device_name!r}: supported are CPU (torch) and CUDA (FlashAttention and Triton)"
     )

@@ -3,7 +3,7 @@
 minipic switches attention through vLLM's backend selector. A layer that picks
 its backend itself (some models pass `attn_backend=` to their layers, some
 layer kinds import the selector under another name) would keep a stock backend
-over unrotated keys: wrong output, no error. Checked once the model is built,
+over keys stored in span frames: wrong output, no error. Checked once the model is built,
 from each position-free layer's load hook, over every layer vLLM registered.
 """
 
@@ -27,7 +27,8 @@ def check_every_layer_is_position_free(layers: dict[str, Any]) -> None:
     if stock:
         raise NotPositionFreeError(
             "minipic cannot serve this model: these layers chose their own attention "
-            "backend, which would read minipic's unrotated keys as rotated: "
+            "backend, which would read keys minipic stores in span frames as if at "
+            "their positions: "
             + ", ".join(stock[:5]) + (f" and {len(stock) - 5} more" if len(stock) > 5 else ""))
 
 

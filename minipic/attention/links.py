@@ -1,11 +1,13 @@
-"""Worker side: EPIC link tokens turned back to their logical positions (both backends).
+"""Worker side: turning queries and keys back by per-token amounts (both backends).
 
-A link token sits at physical index i but stands at logical position i - shift
-(span_layout.SpanLayout). The model hands attention Q rotated at i and K unrotated;
-turning both back by the shift (a rotation by -shift) puts Q at its logical
-position and leaves K "unrotated at i minus the shift", so attention can keep
-rotating every key by its physical index and the scores come out at logical
-distances. One implementation, so the torch and Triton backends cannot drift.
+The model hands attention Q and K rotated at each token's index i (stock RoPE).
+minipic moves them with the same rotation, by -amount per token:
+  * Q of an EPIC link token by its link shift, to its logical position
+    (span_layout.SpanLayout.shift);
+  * K, before the cache write, by frame_offset + shift, into the frame it is
+    stored in (SpanLayout.frame_offset): a span's keys relative to its start, so
+    that a cached span is right wherever it sits.
+One implementation, so the torch and Triton backends cannot drift.
 """
 
 from __future__ import annotations
@@ -29,16 +31,16 @@ def batch_metadata(layer) -> Any:
     return metadata.get(layer.layer_name) if isinstance(metadata, dict) else metadata
 
 
-def turn_back_links(x: torch.Tensor, token_shift: torch.Tensor | None) -> torch.Tensor:
-    """Q or K [tokens, ...] of the batch with its first len(token_shift) tokens turned
-    back by their shifts (rows past them are padding and pass as they are).
+def turn_back_tokens(x: torch.Tensor, amounts: torch.Tensor | None) -> torch.Tensor:
+    """Q or K [tokens, ...] of the batch with its first len(amounts) tokens turned
+    back by their amounts (rows past them are padding and pass as they are).
 
-    `token_shift` None means no link in the batch: `x` itself, no work."""
-    if token_shift is None:
+    `amounts` None means nothing to turn: `x` itself, no work."""
+    if amounts is None:
         return x
     rope = current_rope()
-    n = token_shift.shape[0]
+    n = amounts.shape[0]
     heads = x[:n].view(n, -1, rope.head_size)
-    turned = turn_back(heads, token_shift.to(x.device), rope.cos_sin(x.device),
+    turned = turn_back(heads, amounts.to(x.device), rope.cos_sin(x.device),
                        rope.rotary_dim, rope.is_neox_style).to(x.dtype)
     return torch.cat((turned.view(n, *x.shape[1:]), x[n:]))

@@ -1,10 +1,10 @@
-"""Worker side: RoPE that rotates Q only, and the rope parameters attention needs.
+"""Worker side: the model's rotary embedding, as the rotation parameters attention needs.
 
-With minipic on, every rotary embedding the model builds is switched to rotate
-the query only; the key reaches the KV cache unrotated and the attention
-backend rotates it by its logical position. The backend finds the rotation
-parameters here (`current_rope()`), as an fp32 cos/sin table so the rotation
-math is fp32 whatever the model dtype.
+The model's RoPE runs as in stock vLLM (Q and K rotated at their index). minipic's
+attention then moves keys between frames (span_layout.SpanLayout.frame_offset) and
+queries to their logical positions, with the same rotation: every rotary embedding
+the model builds is registered here (`current_rope()`), as an fp32 cos/sin table so
+that math is fp32 whatever the model dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class UnsupportedRopeError(RuntimeError):
 
 @dataclasses.dataclass
 class RopeParams:
-    """Everything a position-free attention kernel needs to rotate keys."""
+    """Everything position-free attention needs to rotate queries and keys."""
 
     head_size: int
     rotary_dim: int
@@ -69,8 +69,8 @@ def reset_rope() -> None:
     _current = None
 
 
-def make_query_only(rope: Any) -> None:
-    """Switch one vLLM rotary embedding instance to rotate Q only and register it."""
+def register_rope(rope: Any) -> None:
+    """Register one vLLM rotary embedding instance (refused if attention cannot redo it)."""
     _refuse_unsupported(rope)
     params = RopeParams(
         head_size=rope.head_size,
@@ -80,14 +80,6 @@ def make_query_only(rope: Any) -> None:
         cos_sin_fp32=rope._compute_cos_sin_cache().to(torch.float32),
     )
     _register(params)
-    rotate_both = rope._forward_method
-
-    def rotate_query_only(positions, query, key=None, *args, **kwargs):
-        query, _ = rotate_both(positions, query, None, *args, **kwargs)
-        return query, key
-
-    rope._forward_method = rotate_query_only
-    rope.minipic_query_only = True
 
 
 def _register(params: RopeParams) -> None:
@@ -103,7 +95,7 @@ def _register(params: RopeParams) -> None:
 
 def _refuse_unsupported(rope: Any) -> None:
     # Only rotations fully described by `cos_sin_cache` and the standard
-    # neox/GPT-J formula can move into attention: any subclass that overrides
+    # neox/GPT-J formula can be redone in attention: any subclass that overrides
     # the forward math (MRoPE, Phi-3 long/short, dual-chunk, ...) is refused.
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
@@ -120,5 +112,5 @@ def _refuse_unsupported(rope: Any) -> None:
         raise UnsupportedRopeError(
             f"minipic cannot use this model's rotary embedding {cls.__name__}: it "
             f"computes positions its own way ({', '.join(overridden) or 'not a RotaryEmbedding'}), "
-            "so keys cannot be rotated inside attention from logical positions"
+            "so attention cannot move keys between frames or queries to logical positions"
         )

@@ -91,8 +91,15 @@ class SpanLayout:
                        block is HIDDEN. Such a query sees keys at logical positions
                        up to its own (and never keys after it in the sequence).
     shift[r, b]        physical minus logical position of b's tokens: non-zero for
-                       link blocks only. Their Q and K are turned back by it, so K
-                       stays position-free at its physical index.
+                       link blocks only. Their Q is turned back by it.
+    frame_offset[r, b] where the frame b's keys are stored in starts: the first token
+                       of its SSep span for span blocks (so a span's keys are the same
+                       wherever it sits), link_tokens for blocks past the links (they
+                       are stored at their logical positions), 0 elsewhere. The model
+                       hands attention K rotated at its index; the KV cache write turns
+                       it back by frame_offset + shift, and attention turns stored keys
+                       forward by frame_offset: plain prompts are stored as stock vLLM
+                       stores them.
     links_end[r]       the token index where request r's last link block ends (0: no
                        links), and
     link_tokens[r]     how many link tokens its prompt holds. Links take no room: a
@@ -106,6 +113,7 @@ class SpanLayout:
     span_of: torch.Tensor
     context_pos: torch.Tensor
     shift: torch.Tensor
+    frame_offset: torch.Tensor
     links_end: torch.Tensor | None = None  # [reqs] int32; None: zeros (no links)
     link_tokens: torch.Tensor | None = None
     # [reqs, tokens] bool, with mask_markers only: marker and padding keys of the
@@ -121,8 +129,8 @@ class SpanLayout:
 
     def to(self, device: torch.device | str) -> "SpanLayout":
         moved = [None if t is None else t.to(device) for t in (
-            self.span_of, self.context_pos, self.shift, self.links_end, self.link_tokens,
-            self.quiet)]
+            self.span_of, self.context_pos, self.shift, self.frame_offset, self.links_end,
+            self.link_tokens, self.quiet)]
         return SpanLayout(*moved)
 
     def has_links(self) -> bool:
@@ -172,9 +180,12 @@ def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_
     prompt_link = in_link & in_prompt
     links_end = (torch.where(prompt_link, block + 1, 0).amax(dim=1) * block_size).to(torch.int32)
     link_tokens = (prompt_link.sum(dim=1) * block_size).to(torch.int32)
+    past_links = (block * block_size >= links_end[:, None]) & (links_end[:, None] > 0)
+    frame_offset = torch.where(in_span, span_of * block_size,
+                               torch.where(past_links, link_tokens[:, None], 0))
     return SpanLayout(span_of.to(torch.int32), context_pos.to(torch.int32),
                       ((block - context_block) * block_size).to(torch.int32),
-                      links_end, link_tokens)
+                      frame_offset.to(torch.int32), links_end, link_tokens)
 
 
 def _carried_span_block(block, last_index, is_ssep, is_link, in_link) -> torch.Tensor:
@@ -236,14 +247,35 @@ def query_blocks(query_start_loc: list[int], seq_lens: list[int], block_size: in
     return result
 
 
+def per_query_token(table: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                    block_size: int) -> torch.Tensor:
+    """Per query token of the batch, its block's entry of a [reqs, blocks] table."""
+    blocks = query_blocks(query_start_loc, seq_lens, block_size, table.device)
+    return torch.cat([table[i, b] for i, b in enumerate(blocks)])
+
+
 def token_shifts(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
                  block_size: int) -> torch.Tensor | None:
     """Per token of the batch, its link shift (see SpanLayout); None when all are 0."""
     if not layout.has_links():
         return None
-    device = layout.shift.device
-    blocks = query_blocks(query_start_loc, seq_lens, block_size, device)
-    return torch.cat([layout.shift[i, b] for i, b in enumerate(blocks)])
+    return per_query_token(layout.shift, query_start_loc, seq_lens, block_size)
+
+
+def key_turn_backs(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
+                   block_size: int) -> torch.Tensor | None:
+    """Per token of the batch, how far its K is turned back before the cache write
+    (frame_offset + shift, see SpanLayout); None when all are 0."""
+    turn = layout.frame_offset + layout.shift
+    if not bool(turn.any()):
+        return None
+    return per_query_token(turn, query_start_loc, seq_lens, block_size)
+
+
+def key_frame_offsets(layout: SpanLayout, row: int, seq_len: int, block_size: int) -> torch.Tensor:
+    """[seq_len]: how far request `row`'s stored keys are turned forward when read."""
+    key_block = torch.arange(seq_len, device=layout.frame_offset.device) // block_size
+    return layout.frame_offset[row, key_block]
 
 
 def visible_keys(layout: SpanLayout, row: int, seq_len: int, num_queries: int,

@@ -1,8 +1,11 @@
 """Worker side: the position-free attention backend in plain torch (CPU platform).
 
-K sits in the paged cache unrotated; each request's keys are gathered, rotated
-by their logical positions (key j of a request is at position j) in fp32, and
-attended to by the already-rotated queries. It is the reference for the Triton
+K sits in the paged cache rotated in its frame (span_layout.SpanLayout.frame_offset:
+a span's keys relative to the span's start, every other key at its logical
+position), so a plain prompt's cache is stock vLLM's and is attended to as it is.
+With spans or links each request's keys are gathered and turned forward by their
+frame offsets in fp32 (key j then stands at j, or at its logical position for a
+link key), then attended to by the queries. It is the reference for the Triton
 kernel and the backend vLLM's CPU platform gets when minipic is on.
 
 The cache keeps vLLM's CPU layout `[num_blocks, num_kv_heads, block_size,
@@ -26,10 +29,11 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
 from minipic.attention.layer_check import check_current_model
-from minipic.attention.links import batch_metadata, turn_back_links
+from minipic.attention.links import batch_metadata, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
 from minipic.attention.rotation import rotate, turn_back
-from minipic.attention.span_layout import SpanLayout, current_layout, token_shifts, visible_keys
+from minipic.attention.span_layout import (SpanLayout, current_layout, key_frame_offsets,
+                                           key_turn_backs, token_shifts, visible_keys)
 
 
 class MiniPICTorchBackend(PositionFreeTraits, CPUAttentionBackend):
@@ -58,17 +62,21 @@ class MiniPICTorchMetadata:
     block_size: int
     layout: SpanLayout | None = None  # spans and links; None: plain causal attention
     token_shift: torch.Tensor | None = None  # [num_tokens] link shifts; None: all 0
+    key_turn: torch.Tensor | None = None  # [num_tokens] K turn-backs before the write
     # Per request, [queries, keys] visibility (span_layout.visible_keys), built once per
     # batch for all layers; None: plain causal attention.
     visible: list[torch.Tensor] | None = None
-    # Per request, (links_end, link_tokens) from the layout, read once per batch (not per
-    # layer); None without a layout.
+    # Per request, (links_end, link_tokens) from the layout, and its keys' frame offsets
+    # [seq_len], read once per batch (not per layer); None without a layout.
     links: list[tuple[int, int]] | None = field(init=False, default=None)
+    key_frames: list[torch.Tensor] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.layout is not None:
             self.links = list(zip(self.layout.links_end.tolist(),
                                   self.layout.link_tokens.tolist()))
+            self.key_frames = [key_frame_offsets(self.layout, i, n, self.block_size)
+                               for i, n in enumerate(self.seq_lens)]
 
 
 class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]):
@@ -95,6 +103,8 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
             block_size=block_size,
             layout=layout,
             token_shift=None if layout is None else token_shifts(
+                layout, query_start_loc, seq_lens, block_size),
+            key_turn=None if layout is None else key_turn_backs(
                 layout, query_start_loc, seq_lens, block_size),
             visible=visible,
         )
@@ -124,7 +134,7 @@ class MiniPICTorchImpl(AttentionImpl):
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         md = batch_metadata(layer)
-        key = turn_back_links(key, None if md is None else md.token_shift)
+        key = turn_back_tokens(key, None if md is None else md.key_turn)
         valid = slot_mapping >= 0  # tokens whose KV is not kept have slot -1, anywhere
         slots = slot_mapping[valid].long()
         block_size = kv_cache.shape[2]
@@ -151,7 +161,7 @@ class MiniPICTorchImpl(AttentionImpl):
             return output
         md = attn_metadata
         out = output.view(-1, self.num_heads, self.head_size)
-        q_all = turn_back_links(query, md.token_shift).view(-1, self.num_heads, self.head_size)
+        q_all = turn_back_tokens(query, md.token_shift).view(-1, self.num_heads, self.head_size)
         rope = current_rope()
         cos_sin = rope.cos_sin(query.device)
         qsl = md.query_start_loc
@@ -166,8 +176,9 @@ class MiniPICTorchImpl(AttentionImpl):
                 continue
             q = q_all[qsl[i] : qsl[i + 1]]
             k, v = gather_request_kv(kv_cache, md.block_table[i], seq_len, self.head_size)
-            k = rotate(k, torch.arange(seq_len, device=k.device), cos_sin,
-                       rope.rotary_dim, rope.is_neox_style)
+            if md.key_frames is not None:
+                k = rotate(k, md.key_frames[i], cos_sin, rope.rotary_dim, rope.is_neox_style,
+                           pure=True)
             visible = None if md.visible is None else md.visible[i]
             near = links_take_no_room(q, md.links, i, seq_len, rope, cos_sin)
             out[qsl[i] : qsl[i + 1]] = causal_attention(
@@ -187,9 +198,13 @@ class MiniPICTorchImpl(AttentionImpl):
         pages = kv_cache[md.block_table[requests, :blocks].long()]  # [N, nb, H, B, 2D]
         kv = pages.permute(0, 1, 3, 2, 4).reshape(len(requests), blocks * md.block_size,
                                                   kv_cache.shape[1], -1)[:, :longest]
-        k = rotate(kv[..., : self.head_size].transpose(0, 1),
-                   torch.arange(longest, device=device), cos_sin, rope.rotary_dim,
-                   rope.is_neox_style).transpose(0, 1)
+        k = kv[..., : self.head_size]
+        if md.key_frames is not None:
+            frames = torch.zeros(len(requests), longest, dtype=torch.int32, device=device)
+            for n, (i, s) in enumerate(zip(requests, seq_lens)):
+                frames[n, :s] = md.key_frames[i]
+            k = rotate(k.reshape(-1, *k.shape[2:]), frames.flatten(), cos_sin, rope.rotary_dim,
+                       rope.is_neox_style, pure=True).view(k.shape)
         # Slots past a request's length hold whatever the page held (never written, or
         # another request's): zero weight times NaN would still be NaN, so zero them.
         kept = torch.arange(longest, device=device)[None, :] < torch.tensor(seq_lens,

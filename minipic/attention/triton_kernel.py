@@ -1,9 +1,12 @@
 """Position-free paged attention in Triton (paper section 3.2.2).
 
-Q arrives already rotated; K sits in vLLM's paged cache unrotated. For every
-K tile the kernel looks up cos/sin for the keys' logical positions (key j of a
-request is at position j), rotates the tile in fp32 and only then takes the
-Q.K product. V is untouched. Everything else follows vLLM's
+Q arrives rotated at its position; K sits in vLLM's paged cache rotated in its
+frame (span_layout.SpanLayout.frame_offset: a span's keys relative to the span's
+start, every other key at its logical position). With span tables, every K tile
+is turned forward by its keys' frame offsets in fp32 (cos/sin rows of the
+offsets, the table's scale divided out) before the Q.K product, so key j stands
+at j (a link key at its logical position). V is untouched; without tables
+nothing is rotated: a plain prompt's cache is stock vLLM's. Everything else follows vLLM's
 `kernel_unified_attention`: one program per (q-block, kv head), a q-block
 holding BLOCK_Q tokens times the kv head's query heads (GQA rows share one K
 tile), online softmax over KV tiles, and for small decode batches (and, unlike
@@ -31,11 +34,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-# How K tiles get their cos/sin (a constexpr of the kernel).
-ROPE_NONE = 0  # no rotation: only for measuring what rotation costs
-ROPE_TABLE = 1  # read the cos/sin rows of the tile's positions from the table
-ROPE_ANGLE_ADD = 2  # row p0 of the table combined with rows 0..TILE-1 (angle addition)
 
 _LOG2E = 1.4426950408889634
 
@@ -101,13 +99,15 @@ def _load_k_tile(j, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2,
 
 
 @triton.jit
-def _load_cos_sin(j, kv_end, cos_sin_ptr, offs_r, r_mask, cos_sin_stride,
-                  TILE_SIZE: tl.constexpr, ROT_HALF: tl.constexpr):
-    """cos and sin of tile j's key positions, each (ROT_HALF_PADDED, TILE_SIZE) fp32."""
-    offs_t = j * TILE_SIZE + tl.arange(0, TILE_SIZE)
-    mask = r_mask[:, None] & (offs_t < kv_end)[None, :]
-    cs = cos_sin_ptr + offs_t[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
-    return tl.load(cs, mask=mask, other=0.0), tl.load(cs + ROT_HALF, mask=mask, other=0.0)
+def _frame_cos_sin(frame_offset_ptr, span_row, offs_t, t_mask, cos_sin_ptr, offs_r, r_mask,
+                   cos_sin_stride, inv_a, SPAN_BLOCK: tl.constexpr, ROT_HALF: tl.constexpr):
+    """cos and sin of the frame offsets of keys `offs_t`, each (ROT_HALF_PADDED, TILE_SIZE)
+    fp32, the table's scale divided out (a pure rotation)."""
+    offset = tl.load(frame_offset_ptr + span_row + offs_t // SPAN_BLOCK, mask=t_mask, other=0)
+    mask = r_mask[:, None] & t_mask[None, :]
+    cs = cos_sin_ptr + offset[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
+    return (tl.load(cs, mask=mask, other=0.0) * inv_a[:, None],
+            tl.load(cs + ROT_HALF, mask=mask, other=0.0) * inv_a[:, None])
 
 
 @triton.jit
@@ -146,8 +146,8 @@ def _turned_back(q1, q2, cos_sin_ptr, cos_sin_stride, room, offs_r, r_mask,
 @triton.jit
 def minipic_attention_kernel(
     out_ptr,  # [tokens, q_heads, head_size]
-    q_ptr,  # [tokens, q_heads, head_size], rotated
-    k_cache_ptr,  # [blocks, block_size, kv_heads, head_size], unrotated
+    q_ptr,  # [tokens, q_heads, head_size], rotated at their positions
+    k_cache_ptr,  # [blocks, block_size, kv_heads, head_size], rotated in their frames
     v_cache_ptr,  # [blocks, block_size, kv_heads, head_size]
     cos_sin_ptr,  # [max_positions, rotary_dim] fp32 = cat(cos, sin)
     block_tables_ptr,  # [seqs, max_blocks]
@@ -155,6 +155,7 @@ def minipic_attention_kernel(
     query_start_loc_ptr,  # [seqs + 1]
     span_of_ptr,  # HAS_SPAN_TABLES: [seqs, blocks] int32, span_layout.SpanLayout.span_of
     context_pos_ptr,  # HAS_SPAN_TABLES: [seqs, blocks] int32, SpanLayout.context_pos
+    frame_offset_ptr,  # HAS_SPAN_TABLES: [seqs, blocks] int32, SpanLayout.frame_offset
     links_end_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.links_end
     link_tokens_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.link_tokens
     segm_out_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32
@@ -176,7 +177,7 @@ def minipic_attention_kernel(
     v_stride_2: tl.int64,
     v_stride_3: tl.constexpr,
     cos_sin_stride: tl.int64,
-    span_table_stride: tl.int64,  # row stride of both span tables
+    span_table_stride: tl.int64,  # row stride of the three span tables
     NUM_QUERY_HEADS: tl.constexpr,
     NUM_QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -188,7 +189,6 @@ def minipic_attention_kernel(
     PASS_SIZE: tl.constexpr,  # head_size - rotary_dim
     PASS_PADDED: tl.constexpr,
     IS_NEOX: tl.constexpr,
-    ROPE_MODE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
@@ -234,17 +234,6 @@ def minipic_attention_kernel(
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     d_mask = offs_d < HEAD_SIZE
 
-    if ROPE_MODE == 2:
-        # cos/sin((p0 + t) w) from rows p0 and t: the table is a*cos(p w), a*sin(p w)
-        # (a = row 0's cos, 1 unless the scaling folds an mscale in), so
-        # C[p0+t] = (C[p0] C[t] - S[p0] S[t]) / a and S[p0+t] = (S[p0] C[t] + C[p0] S[t]) / a.
-        # Rows 0..TILE-1 stay in registers; each tile then reads one table row.
-        offs_t0 = tl.arange(0, TILE_SIZE)
-        cs_t = cos_sin_ptr + offs_t0[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
-        cos_t = tl.load(cs_t, mask=r_mask[:, None], other=0.0)
-        sin_t = tl.load(cs_t + ROT_HALF, mask=r_mask[:, None], other=0.0)
-        inv_a = 1.0 / tl.load(cos_sin_ptr + offs_r, mask=r_mask, other=1.0)
-
     # Causal: the q-block's last row sees keys [0, context_len + its position].
     kv_hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
     num_tiles = _cdiv(kv_hi, TILE_SIZE)
@@ -266,6 +255,9 @@ def minipic_attention_kernel(
     query_abs_pos = context_len + q_pos
     if HAS_SPAN_TABLES:
         span_row = seq_idx.to(tl.int64) * span_table_stride
+        # The table is a*cos, a*sin (a = row 0's cos: 1 unless an mscale is folded in);
+        # moving keys between frames is a pure rotation.
+        inv_a = 1.0 / tl.load(cos_sin_ptr + offs_r, mask=r_mask, other=1.0)
         q_span, q_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row,
                                               query_abs_pos, row_mask, SPAN_BLOCK)
         # Links take no room (SpanLayout.links_end): queries at or past links_end score
@@ -292,11 +284,8 @@ def minipic_attention_kernel(
         k1_next, k2_next = _load_k_tile(
             tile_lo, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
             k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
-        if ROPE_MODE == 1:
-            cos_next, sin_next = _load_cos_sin(tile_lo, kv_end, cos_sin_ptr, offs_r, r_mask,
-                                               cos_sin_stride, TILE_SIZE, ROT_HALF)
     for j in range(tile_lo, tile_hi):
-        offs_t = j * TILE_SIZE + tl.arange(0, TILE_SIZE)  # logical key positions
+        offs_t = j * TILE_SIZE + tl.arange(0, TILE_SIZE)  # key indices
         t_mask = offs_t < kv_end
         block = tl.load(block_table_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         slot = (offs_t % BLOCK_SIZE).to(tl.int64)
@@ -305,26 +294,14 @@ def minipic_attention_kernel(
             k1_next, k2_next = _load_k_tile(
                 j + 1, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
                 k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
-            if ROPE_MODE == 1:
-                cos, sin = cos_next, sin_next
-                cos_next, sin_next = _load_cos_sin(j + 1, kv_end, cos_sin_ptr, offs_r, r_mask,
-                                                   cos_sin_stride, TILE_SIZE, ROT_HALF)
         else:
             k1, k2 = _load_k_tile(
                 j, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
                 k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
-            if ROPE_MODE == 1:
-                cos, sin = _load_cos_sin(j, kv_end, cos_sin_ptr, offs_r, r_mask, cos_sin_stride,
-                                         TILE_SIZE, ROT_HALF)
-        if ROPE_MODE == 1:
-            r1, r2 = _rotate_pair(k1, k2, cos, sin)
-            k1, k2 = r1.to(q1.dtype), r2.to(q1.dtype)
-        elif ROPE_MODE == 2:
-            row = cos_sin_ptr + (j * TILE_SIZE) * cos_sin_stride + offs_r
-            cos_0 = tl.load(row, mask=r_mask, other=0.0) * inv_a
-            sin_0 = tl.load(row + ROT_HALF, mask=r_mask, other=0.0) * inv_a
-            cos = cos_0[:, None] * cos_t - sin_0[:, None] * sin_t
-            sin = sin_0[:, None] * cos_t + cos_0[:, None] * sin_t
+        if HAS_SPAN_TABLES:  # keys out of their frames: key j at j (links: logical)
+            cos, sin = _frame_cos_sin(frame_offset_ptr, span_row, offs_t, t_mask, cos_sin_ptr,
+                                      offs_r, r_mask, cos_sin_stride, inv_a, SPAN_BLOCK,
+                                      ROT_HALF)
             r1, r2 = _rotate_pair(k1, k2, cos, sin)
             k1, k2 = r1.to(q1.dtype), r2.to(q1.dtype)
         else:
@@ -435,17 +412,14 @@ class LaunchConfig:
     tile_size: int
     num_warps: int = 4
     num_stages: int = 3
-    rope_mode: int = ROPE_TABLE
-    prefetch: bool = False  # load tile j+1's K (and cos/sin) while tile j is computed
+    prefetch: bool = False  # load tile j+1's K while tile j is computed
 
 
 # Launch shapes, chosen from the tile sweeps on an H200 (docs/kernel.md).
 # Split-KV decode (<= seq_threshold_3d requests): 32-key tiles (stock uses 16).
 DECODE_3D = LaunchConfig(block_m=16, tile_size=32)
-# Larger decode batches and short chunks: wide tiles, K prefetched by hand, and
-# cos/sin by angle addition (one table row per tile instead of 64): there the
-# kernel is bound by instruction issue, not by memory.
-DECODE_2D = LaunchConfig(block_m=16, tile_size=64, rope_mode=ROPE_ANGLE_ADD, prefetch=True)
+# Larger decode batches and short chunks: wide tiles, K prefetched by hand.
+DECODE_2D = LaunchConfig(block_m=16, tile_size=64, prefetch=True)
 # Prefill: every q-block rotates every K tile it reads, so the rotation costs
 # in proportion to the number of q-blocks; large q-blocks amortise it (and feed
 # the tensor cores larger dots).
@@ -467,24 +441,6 @@ def choose_config(max_seqlen_q: int, use_3d: bool, head_size: int = 128) -> Laun
     if max_seqlen_q < PREFILL_MIN_QUERY_LEN:
         return DECODE_2D
     return PREFILL if head_size <= 128 else PREFILL_LARGE_HEAD
-
-
-def angle_addition_holds(cos_sin: torch.Tensor, tile: int = 64, atol: float = 2e-2) -> bool:
-    """Whether the table is a*cos(p w), a*sin(p w), as ROPE_ANGLE_ADD assumes (host sync: init only).
-
-    The tolerance covers the table's own fp32 rounding of p*w at large p (about
-    ulp(p)); a table of another form is off by O(1).
-    """
-    rows = cos_sin.shape[0] // tile * tile
-    half = cos_sin.shape[1] // 2
-    c, s = cos_sin[:rows].double().view(-1, tile, 2 * half).split(half, dim=-1)
-    a = cos_sin[0, :half].double()
-    if rows == 0 or bool((a == 0).any()):
-        return False
-    c0, s0, ct, st = c[:, :1], s[:, :1], c[:1], s[:1]
-    err = torch.maximum(((c0 * ct - s0 * st) / a - c).abs().amax(),
-                        ((s0 * ct + c0 * st) / a - s).abs().amax())
-    return bool(err <= atol * a.abs().max())
 
 
 def _num_q_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -540,32 +496,32 @@ def unified_attention_rope(
     segm_expsum: torch.Tensor | None = None,
     seq_threshold_3d: int | None = None,
     config: LaunchConfig | None = None,
-    allow_angle_addition: bool = True,
     span_of: torch.Tensor | None = None,
     context_pos: torch.Tensor | None = None,
+    frame_offset: torch.Tensor | None = None,
     span_block_size: int | None = None,
     links_end: torch.Tensor | None = None,
     link_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention of rotated `q` over unrotated K, rotating K per tile.
+    """Causal paged attention of `q` over K stored in frames, turning K tiles forward.
 
     q/out: [tokens, q_heads, head_size]; k_cache/v_cache: [blocks, block_size,
     kv_heads, head_size] (any strides, unit stride on the last dim). Request i
     owns tokens cu_seqlens_q[i]:cu_seqlens_q[i+1] and keys 0..seqused_k[i]-1
-    (its cached prefix first), key j at logical position j. Decode batches of at
+    (its cached prefix first), key j at position j. Decode batches of at
     most `seq_threshold_3d` requests, and short-query batches whose 2D grid would
     be small, split KV over the static `segm_*` buffers (vLLM's Triton metadata
     builder allocates them; minipic's enlarges them to SPLIT_KV_MAX_TOKENS).
     Host-side work is shape arithmetic only, so the launch can be captured in a
-    CUDA graph. Pass `allow_angle_addition=False` for a table
-    `angle_addition_holds` rejects.
-    `span_of` and `context_pos` [seqs, blocks] int32 (span_layout.SpanLayout, indexed
-    by `span_block_size`-token blocks, same strides) apply the span and link
-    rules of span_layout.visible_keys per tile, and `links_end` / `link_tokens` [seqs]
-    int32 (SpanLayout: queries past a request's links score the keys before them
-    link_tokens positions nearer); without them (HAS_SPAN_TABLES off) the
-    launch is plain causal attention and reads no table. Link tokens' Q and K must
-    already be turned back (attention.links): the kernel rotates keys by index.
+    CUDA graph.
+    `span_of`, `context_pos` and `frame_offset` [seqs, blocks] int32
+    (span_layout.SpanLayout, indexed by `span_block_size`-token blocks, same strides)
+    turn each key forward by its frame offset and apply the span and link rules of
+    span_layout.visible_keys per tile, and `links_end` / `link_tokens` [seqs] int32
+    (SpanLayout: queries past a request's links score the keys before them
+    link_tokens positions nearer); without them (HAS_SPAN_TABLES off) the launch is
+    plain causal attention over K as stored and reads no table. Link tokens' Q must
+    already be turned back (attention.links).
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -581,8 +537,6 @@ def unified_attention_rope(
                                 num_kv_heads, segm_output.shape[0]))
     if config is None:
         config = choose_config(max_seqlen_q, use_3d, head_size)
-    if config.rope_mode == ROPE_ANGLE_ADD and not allow_angle_addition:
-        config = dataclasses.replace(config, rope_mode=ROPE_TABLE)
     block_m = max(config.block_m, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     num_q_blocks = _num_q_blocks(num_tokens, num_seqs, block_q)
@@ -596,11 +550,13 @@ def unified_attention_rope(
     else:
         num_segments = 1
         grid = (num_q_blocks, num_kv_heads)
-    has_span_tables = _check_span_tables(span_of, context_pos, links_end, link_tokens, num_seqs)
+    has_span_tables = _check_span_tables(span_of, context_pos, frame_offset, links_end,
+                                         link_tokens, num_seqs)
     minipic_attention_kernel[grid](
         out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
         span_of if has_span_tables else block_table,  # any pointer when unused
         context_pos if has_span_tables else block_table,
+        frame_offset if has_span_tables else block_table,
         links_end if has_span_tables else seqused_k,
         link_tokens if has_span_tables else seqused_k,
         segm_output, segm_max, segm_expsum,
@@ -619,7 +575,6 @@ def unified_attention_rope(
         PASS_SIZE=pass_size,
         PASS_PADDED=_pow2_at_least_16(pass_size) if pass_size else 16,
         IS_NEOX=is_neox_style,
-        ROPE_MODE=config.rope_mode,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         NUM_SEGMENTS=num_segments,
@@ -646,27 +601,28 @@ def unified_attention_rope(
 def span_table_args(layout, block_size: int) -> dict:
     """unified_attention_rope's table arguments from a span_layout.SpanLayout."""
     return dict(span_of=layout.span_of, context_pos=layout.context_pos,
-                links_end=layout.links_end, link_tokens=layout.link_tokens,
+                frame_offset=layout.frame_offset, links_end=layout.links_end,
+                link_tokens=layout.link_tokens,
                 span_block_size=block_size)
 
 
 def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor | None,
-                       links_end: torch.Tensor | None, link_tokens: torch.Tensor | None,
-                       num_seqs: int) -> bool:
+                       frame_offset: torch.Tensor | None, links_end: torch.Tensor | None,
+                       link_tokens: torch.Tensor | None, num_seqs: int) -> bool:
     """Whether the launch has span tables; all or none, int32, the block tables of one
     shape and stride, the link rows [>= seqs]."""
-    tables = (span_of, context_pos, links_end, link_tokens)
+    tables = (span_of, context_pos, frame_offset, links_end, link_tokens)
     if all(t is None for t in tables):
         return False
     if any(t is None for t in tables):
-        raise ValueError("span_of, context_pos, links_end and link_tokens come together "
-                         "(span_layout.SpanLayout)")
-    for table in (span_of, context_pos):
+        raise ValueError("span_of, context_pos, frame_offset, links_end and link_tokens "
+                         "come together (span_layout.SpanLayout)")
+    for table in (span_of, context_pos, frame_offset):
         if table.dtype != torch.int32 or table.dim() != 2 or table.stride(1) != 1:
             raise ValueError(f"span tables must be int32 [seqs, blocks] with unit stride on "
                              f"blocks, got {table.dtype} {tuple(table.shape)} {table.stride()}")
-    if span_of.shape != context_pos.shape or span_of.stride() != context_pos.stride():
-        raise ValueError("span_of and context_pos must share shape and strides")
+        if table.shape != span_of.shape or table.stride() != span_of.stride():
+            raise ValueError("span_of, context_pos and frame_offset must share shape and strides")
     for table in (links_end, link_tokens):
         if table.dtype != torch.int32 or table.dim() != 1 or table.shape[0] < num_seqs \
                 or table.stride(0) != 1:

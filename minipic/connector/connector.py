@@ -5,8 +5,9 @@
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"store_dir": "/data/spans"}}'
 
-Naming this connector also switches minipic on (SSep/PDep hashing, K kept
-unrotated: see minipic.config), so every block it moves is position-free and
+Naming this connector also switches minipic on (SSep/PDep hashing, span keys
+stored in their span's frame: see minipic.config), so every block it moves is
+position-free and
 keyed by a hash that ignores where its span sits. What this class adds to
 vLLM's connector is small:
 

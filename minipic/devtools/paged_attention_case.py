@@ -1,9 +1,11 @@
 """A random paged-attention problem in vLLM's Triton layout, and its torch reference.
 
 Shared by the kernel tests (interpreter and GPU) and `tools/bench_kernel.py`.
-K is stored unrotated, as minipic keeps it; `rotated_k_cache()` gives the same
-cache with every key rotated by its logical position, which is what stock
-vLLM would hold, so stock kernels can be run on the same problem.
+`k_model` holds K as the model computed it, unrotated: the reference rotates it.
+`k_cache` holds K as minipic stores it, rotated in its frame (SpanLayout.frame_offset;
+without a layout at its position, as stock vLLM stores it); `rotated_k_cache()`
+gives every key rotated by its position, so stock kernels can be run on the same
+problem.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ MARKERS = SpanProtocol(ssep_token_id=3, pdep_token_id=4, pad_token_id=5, link_to
 @dataclasses.dataclass
 class PagedCase:
     q: torch.Tensor  # [tokens, q_heads, head_size], rotated
-    k_cache: torch.Tensor  # [blocks, block_size, kv_heads, head_size], unrotated
+    k_cache: torch.Tensor  # [blocks, block_size, kv_heads, head_size], in frames
     v_cache: torch.Tensor
+    k_model: torch.Tensor  # like k_cache, unrotated (what the model computed)
     block_table: torch.Tensor  # [seqs, max_blocks] int32
     cu_seqlens_q: torch.Tensor  # [seqs + 1] int32
     seq_lens: torch.Tensor  # [seqs] int32
@@ -61,11 +64,26 @@ class PagedCase:
                 torch.arange(used, device=pos.device)[:, None] * bs + slots)
         return pos
 
-    def rotated_k_cache(self) -> torch.Tensor:
-        """The cache stock vLLM would hold: keys rotated by their positions, unowned slots as is."""
-        blocks, bs, heads, dim = self.k_cache.shape
+    def key_frame_offsets(self) -> torch.Tensor:
+        """Frame offset of every cache slot (SpanLayout.frame_offset; 0 without a layout)."""
+        blocks, bs = self.k_cache.shape[:2]
+        offsets = torch.zeros(blocks, bs, dtype=torch.long, device=self.k_cache.device)
+        if self.layout is None:
+            return offsets
+        for i, seq_len in enumerate(self.seq_lens.tolist()):
+            used = -(-seq_len // bs)
+            offsets[self.block_table[i, :used].long()] = \
+                self.layout.frame_offset[i, :used].long()[:, None]
+        return offsets
+
+    def rotated_k_cache(self, frames: bool = False) -> torch.Tensor:
+        """k_model with keys rotated by their positions (the cache stock vLLM would hold),
+        or with `frames` by their positions in their frames (minipic's); unowned slots as is."""
+        blocks, bs, heads, dim = self.k_model.shape
         pos = self.key_positions().flatten()
-        flat = self.k_cache.reshape(blocks * bs, heads, dim).clone()
+        if frames:
+            pos = torch.where(pos >= 0, pos - self.key_frame_offsets().flatten(), pos)
+        flat = self.k_model.reshape(blocks * bs, heads, dim).clone()
         owned = pos >= 0
         flat[owned] = rotate(flat[owned], pos[owned], self.cos_sin, self.rotary_dim,
                              self.is_neox).to(flat.dtype)
@@ -122,9 +140,9 @@ def make_case(query_lens: list[int], context_lens: list[int], *, num_q_heads: in
     cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(query_lens), 0)
     max_pos = 2 * max(seq_lens) + 64  # the reference rotates keys up to 2x further (links)
-    return PagedCase(
+    case = PagedCase(
         q=randn(int(cu[-1]), num_q_heads, head_size).to(device),
-        k_cache=k_cache.to(device), v_cache=v_cache.to(device),
+        k_cache=k_cache.to(device), v_cache=v_cache.to(device), k_model=k_cache.to(device),
         block_table=block_table.to(device), cu_seqlens_q=cu.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_lens=list(query_lens), context_lens=list(context_lens),
@@ -133,6 +151,8 @@ def make_case(query_lens: list[int], context_lens: list[int], *, num_q_heads: in
         layout=None if markers is None else marker_layout(markers, max_blocks, block_size,
                                                            device),
     )
+    case.k_cache = case.rotated_k_cache(frames=True)
+    return case
 
 
 def marker_layout(markers: list[str], min_blocks: int, block_size: int,
@@ -153,7 +173,7 @@ def reference_attention(case: PagedCase) -> torch.Tensor:
     for i, (q_len, ctx) in enumerate(zip(case.query_lens, case.context_lens)):
         seq_len = q_len + ctx
         blocks = case.block_table[i, : -(-seq_len // bs)].long()
-        k = case.k_cache[blocks].flatten(0, 1)[:seq_len]
+        k = case.k_model[blocks].flatten(0, 1)[:seq_len]
         v = case.v_cache[blocks].flatten(0, 1)[:seq_len].double()
         pos = torch.arange(seq_len, device=k.device)
         q_pos = ctx + torch.arange(q_len, device=k.device)

@@ -1,8 +1,9 @@
 """End to end on the GPU: a Llama-3-8B-shaped model gives the same logprobs with minipic on and off.
 
-No markers in the prompts, so minipic must be invisible: same teacher-forced
-prompt logprobs, same greedy continuations, also when the second round hits
-the prefix cache (minipic's cache then holds unrotated K). Weights are random
+No markers in the prompts, so minipic must be invisible: its backend hands such
+batches to FlashAttention as stock vLLM does (keys stored at their positions),
+so the teacher-forced prompt logprobs and greedy continuations are stock's, also
+when the second round hits the prefix cache. Weights are random
 (no hub): vLLM's dummy loader, then a seeded normal(0, 0.02) re-init so the
 attention pattern and the logits are far from uniform (the dummy values alone,
 norms included, are +-1e-3 and flatten everything).
@@ -41,7 +42,7 @@ RUNS = {
     # A second stock backend: how far two correct kernels drift apart on this model.
     "off_triton": dict(enforce_eager=True, attention_config={"backend": "TRITON_ATTN"}),
     "on_eager": dict(enforce_eager=True, additional_config=MINIPIC),
-    # torch.compile + CUDA graphs (full graphs for decode batches up to 8)
+    # torch.compile + piecewise CUDA graphs (minipic declares no full-graph support)
     "on_compiled": dict(additional_config=MINIPIC,
                         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}),
 }
@@ -169,8 +170,18 @@ def _need(runs: dict, *names: str) -> None:
 @pytest.mark.parametrize("run", ["on_eager", "on_compiled"])
 def test_minipic_backend_is_selected(runs, run):
     _need(runs, run, "off_eager")
-    assert runs[run]["impl"] == "MiniPICTritonImpl"
-    assert runs["off_eager"]["impl"] != "MiniPICTritonImpl"
+    assert runs[run]["impl"] == "MiniPICFlashImpl"
+    assert runs["off_eager"]["impl"] != "MiniPICFlashImpl"
+
+
+def test_plain_prompts_are_stock_flash_attention(runs):
+    """Eager, no markers: the same kernels on the same inputs as stock vLLM, so the same
+    logprobs and tokens, bit for bit."""
+    _need(runs, "on_eager", "off_eager")
+    s = _compare(runs["off_eager"], runs["on_eager"])
+    assert s["prompt_lp_max_abs_diff"] == 0.0, s
+    assert all(n == MAX_TOKENS for n in s["first_greedy_equal_prefix"]
+               + s["cached_greedy_equal_prefix"]), s
 
 
 @pytest.mark.parametrize("run", ["on_eager", "on_compiled"])

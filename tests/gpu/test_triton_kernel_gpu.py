@@ -1,9 +1,11 @@
 """minipic's Triton kernel on a CUDA GPU: against the torch reference and stock vLLM.
 
-The reference rotates each request's keys by position and runs causal
-attention in fp64; stock vLLM's `unified_attention` runs on the same cache with
-keys pre-rotated (what stock vLLM stores). Batches mix what a vLLM step holds:
-decodes, chunked prefills with a cached prefix, fresh prefills.
+The reference rotates each request's keys by position and runs causal attention
+(or the span and link rules) in fp64; the kernel reads keys stored in their
+frames (make_case). Most cases have random SSep spans, so every K tile is turned
+by real frame offsets; stock vLLM's `unified_attention` runs on plain cases with
+keys rotated at their positions (what stock vLLM stores). Batches mix what a vLLM
+step holds: decodes, chunked prefills with a cached prefix, fresh prefills.
 """
 
 from __future__ import annotations
@@ -55,11 +57,18 @@ def span_tables(case) -> dict:
 
 
 def check(batch, *, num_q_heads=8, num_kv_heads=2, head_size=128, rotary_dim=None,
-          is_neox=True, dtype=torch.bfloat16, config=None, seed=0):
+          is_neox=True, dtype=torch.bfloat16, config=None, seed=0, mscale=1.0):
+    """A batch with random SSep spans (keys in their frames, turned by the kernel)."""
+    import random
+
+    rng = random.Random(f"{batch}{seed}")
     query_lens, context_lens = BATCHES[batch]
     case = make_case(query_lens, context_lens, num_q_heads=num_q_heads,
                      num_kv_heads=num_kv_heads, head_size=head_size, rotary_dim=rotary_dim,
-                     is_neox=is_neox, dtype=dtype, device="cuda", seed=seed)
+                     is_neox=is_neox, dtype=dtype, device="cuda", seed=seed, mscale=mscale,
+                     markers=[random_segments(q + c, 16, rng)
+                              for q, c in zip(query_lens, context_lens)])
+    assert case.layout.frame_offset.any()
     err = relative_error(run_minipic(case, config), reference_attention(case))
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
     return case
@@ -87,14 +96,13 @@ def test_head_grouping(batch, num_q_heads, num_kv_heads):
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
-@pytest.mark.parametrize("rope_mode", [tk.ROPE_TABLE, tk.ROPE_ANGLE_ADD], ids=["table", "angle"])
 @pytest.mark.parametrize("config", [tk.PREFILL, tk.DECODE_2D, tk.DECODE_3D,
                                     tk.LaunchConfig(block_m=64, tile_size=64)],
                          ids=["prefill", "decode2d", "decode3d", "m64t64"])
-def test_launch_configs_and_rope_modes(config, rope_mode, prefetch):
+def test_launch_configs(config, prefetch):
     import dataclasses
 
-    config = dataclasses.replace(config, rope_mode=rope_mode, prefetch=prefetch)
+    config = dataclasses.replace(config, prefetch=prefetch)
     for batch in ("mixed_long", "decode_split"):
         check(batch, config=config)
 
@@ -112,13 +120,11 @@ def test_short_queries_split_kv(query_lens, context_lens, dtype):
     assert relative_error(out, reference_attention(case)) < TOLERANCE[dtype]
 
 
-def test_scaled_rope_table_angle_addition():
-    """A table with an mscale folded in (YaRN-like) still rotates correctly by angle addition."""
-    case = make_case([1, 180], [3000, 40], num_q_heads=8, num_kv_heads=2, head_size=128,
-                     dtype=torch.bfloat16, device="cuda", mscale=1.2)
-    for mode in (tk.ROPE_TABLE, tk.ROPE_ANGLE_ADD):
-        out = run_minipic(case, tk.LaunchConfig(block_m=64, tile_size=32, rope_mode=mode))
-        assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+@pytest.mark.parametrize("batch", ["mixed_long", "decode_split"])
+def test_scaled_rope_table_turns_keys_purely(batch):
+    """A table with an mscale folded in (YaRN-like): keys move between frames by a pure
+    rotation (the scale divided out), so scores keep the model's a^2."""
+    check(batch, mscale=1.2)
 
 
 @pytest.mark.parametrize("batch", ["mixed_long", "mixed_short", "decode_split", "decode_many"])
@@ -257,12 +263,14 @@ def test_cuda_graph_replay_reads_span_tables():
     span_of = torch.full_like(case.layout.span_of, -1)
     context_pos = (torch.arange(span_of.shape[1], dtype=torch.int32, device="cuda") * 16
                    ).expand(span_of.shape).contiguous()
+    frame_offset = torch.zeros_like(span_of)
     links_end, link_tokens = (torch.zeros_like(case.layout.links_end) for _ in range(2))
     out = torch.empty_like(case.q)
     graph, _buffers = captured_decode(case, out, span_of=span_of, context_pos=context_pos,
-                                      links_end=links_end, link_tokens=link_tokens,
-                                      span_block_size=16)
+                                      frame_offset=frame_offset, links_end=links_end,
+                                      link_tokens=link_tokens, span_block_size=16)
     for static, found in ((span_of, case.layout.span_of), (context_pos, case.layout.context_pos),
+                          (frame_offset, case.layout.frame_offset),
                           (links_end, case.layout.links_end),
                           (link_tokens, case.layout.link_tokens)):
         static.copy_(found)

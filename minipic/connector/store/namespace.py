@@ -2,7 +2,7 @@
 
 A block file is only meaningful to an engine whose KV bytes have the same
 meaning: same model weights, dtype, block size, KV memory layout, K stored
-*unrotated*, same span markers (they steer the hashes) and same minipic
+in its span's frame, same span markers (they steer the hashes) and same minipic
 format. All of that goes into a namespace; its digest names the directory, so
 two configurations never even see each other's files, and it is written into
 every block header, so a file copied into the wrong directory is still caught.
@@ -34,8 +34,10 @@ from minipic.connector.store.regular_files import read_regular
 STORE_FORMAT = "minipic-span-store"
 # Bump when the block file format or the meaning of stored KV bytes changes
 # (e.g. the position-free backend changes its cache layout). 2: block files with a
-# MAC field (block_file.VERSION 2); stores of version 1 sit in other folders, unread.
-FORMAT_VERSION = 2
+# MAC field (block_file.VERSION 2). 3: K stored rotated in its frame (a span's keys
+# relative to the span's start), not unrotated. Stores of other versions sit in other
+# folders, unread; `minipic store verify` names their version.
+FORMAT_VERSION = 3
 ROOT_MARKER = "minipic-store.json"
 NAMESPACE_FILE = "namespace.json"
 BLOCK_SUFFIX = ".kv"
@@ -71,7 +73,8 @@ def namespace_fields(*, model: str, model_fingerprint: str, dtype: str, block_si
     return {
         "format": STORE_FORMAT,
         "format_version": FORMAT_VERSION,
-        "k_format": "unrotated",  # RoPE is applied inside attention, never stored
+        # K rotated in its frame (attention/span_layout.py, SpanLayout.frame_offset)
+        "k_format": "rotated in span frames",
         # Tokens after EPIC links stand where the plain prompt puts them (SpanLayout):
         # their KV differs from stores written when links took room.
         "link_positions": "links take no room",

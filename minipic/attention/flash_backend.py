@@ -1,0 +1,218 @@
+"""Worker side: minipic's attention backend for CUDA, on vLLM's FlashAttention.
+
+Keys are stored in their frames (span_layout.SpanLayout.frame_offset), so a batch
+without span markers is exactly stock vLLM's: its KV cache write and its attention
+are FlashAttention's own (FA3 on Hopper), nothing added. A batch with markers
+turns its new keys back into their frames before the cache write (attention.links)
+and runs minipic's Triton kernel (`triton_kernel.unified_attention_rope`) over the
+same paged cache: it turns keys forward by their frame offsets per tile and applies
+the span and EPIC link rules. vLLM 0.25's FlashAttention and Triton backends share
+the cache layout `[blocks, 2, block_size, kv_heads, head_size]`.
+
+CUDA graphs: piecewise only. A batch's path (FlashAttention or the span kernel, and
+the host-driven turn-backs) is chosen per batch in eager code between graph pieces;
+a full graph would replay one path for every batch (`AttentionCGSupport.NEVER`, so
+vLLM captures the model's other pieces and runs attention eagerly).
+
+Registered as `AttentionBackendEnum.CUSTOM`; minipic's attention-selector patch
+returns it whenever minipic is on, so users never pick it by hand.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadataBuilder,
+)
+
+from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
+from minipic.attention.layer_check import check_current_model
+from minipic.attention.links import batch_metadata, turn_back_tokens
+from minipic.attention.rope import current_rope, head_mismatch
+from minipic.attention.span_layout import current_layout, key_turn_backs, token_shifts
+from minipic.attention.triton_kernel import (
+    MIN_GRID_2D,
+    SPLIT_KV_MAX_TOKENS,
+    check_rope,
+    segment_buffers,
+    span_table_args,
+    unified_attention_rope,
+)
+
+# Quantised caches would need dequantisation before the rotation: not implemented.
+_SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+
+
+class MiniPICFlashBackend(PositionFreeTraits, FlashAttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(_SUPPORTED_KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # the registry slot minipic registers this class under
+
+    @staticmethod
+    def get_impl_cls() -> type["MiniPICFlashImpl"]:
+        return MiniPICFlashImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["MiniPICFlashMetadataBuilder"]:
+        return MiniPICFlashMetadataBuilder
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False  # span batches: the kernel's launch shape depends on the batch
+
+
+class MiniPICFlashMetadataBuilder(FlashAttentionMetadataBuilder):
+    """vLLM's FlashAttention metadata plus, for batches with markers, what the span
+    kernel needs (span_layout.py).
+
+    Sets on the metadata: `minipic_tables` (a SpanLayout of this batch, on the device)
+    or None for a batch without markers, `minipic_token_shift` (per token link shifts,
+    None without links), `minipic_key_turn` (per token K turn-backs before the cache
+    write, None when all are 0), `minipic_span_block_size`, and the kernel's split-KV
+    scratch (`minipic_segments`, `minipic_seq_threshold_3d`)."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return cls._cudagraph_support
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # vLLM's Triton rule: a decode batch of fewer requests than this splits its KV.
+        self.seq_threshold_3d = MIN_GRID_2D // self.num_heads_kv
+        self.segments = segment_buffers(max(SPLIT_KV_MAX_TOKENS, self.seq_threshold_3d),
+                                        self.num_heads_q, self.headdim, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        m = common_attn_metadata
+        layout = current_layout(m.num_reqs, self.block_size)
+        if layout is not None and getattr(layout, "quiet", None) is not None:
+            raise UnsupportedAttentionError(
+                "mask_markers is not implemented in minipic's CUDA attention")
+        has_spans = layout is not None and not layout.is_plain()
+        metadata.minipic_tables = layout.to(self.device) if has_spans else None
+        metadata.minipic_token_shift = metadata.minipic_key_turn = None
+        if has_spans:
+            query_start_loc, seq_lens = _host_extents(m)
+            metadata.minipic_token_shift = _on(self.device, token_shifts(
+                layout, query_start_loc, seq_lens, self.block_size))
+            metadata.minipic_key_turn = _on(self.device, key_turn_backs(
+                layout, query_start_loc, seq_lens, self.block_size))
+        metadata.minipic_span_block_size = self.block_size
+        metadata.minipic_segments = self.segments
+        metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
+        return metadata
+
+
+class MiniPICFlashImpl(FlashAttentionImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self)
+        # The layer must not hand us fp8 queries or expect fused output quantisation.
+        self.supports_quant_query_input = False
+        self._cos_sin: torch.Tensor | None = None
+
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        return False
+
+    def fused_rope_kvcache_supported(self) -> bool:
+        return False  # the fused write would skip the turn into span frames
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        # Model built: its rotary embedding is registered. Move the table now and
+        # fail at load time, not mid-serving.
+        super().process_weights_after_loading(act_dtype)
+        check_current_model()
+        if torch.cuda.is_available():
+            self._rope_table(torch.device("cuda", torch.cuda.current_device()))
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise UnsupportedAttentionError("minipic's attention has no fused output quantization")
+        md = attn_metadata
+        if md is None or getattr(md, "minipic_tables", None) is None:
+            # Profiling run, or a batch without markers: stock FlashAttention.
+            return super().forward(layer, query, key, value, kv_cache, md, output)
+        if md.causal is not True or getattr(md, "mm_prefix_range_tensor", None) is not None:
+            raise UnsupportedAttentionError(
+                "minipic's attention is causal decoder attention only (no per-request "
+                "causality, no multimodal bidirectional ranges)")
+        n = md.num_actual_tokens
+        key_cache, value_cache = kv_cache.unbind(1)
+        rope = current_rope()
+        query = turn_back_tokens(query, md.minipic_token_shift)
+        segm_output, segm_max, segm_expsum = md.minipic_segments
+        unified_attention_rope(
+            query[:n], key_cache, value_cache, output[:n],
+            cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens,
+            max_seqlen_q=md.max_query_len, block_table=md.block_table,
+            softmax_scale=self.scale, cos_sin=self._rope_table(query.device),
+            rotary_dim=rope.rotary_dim, is_neox_style=rope.is_neox_style,
+            segm_output=segm_output, segm_max=segm_max, segm_expsum=segm_expsum,
+            seq_threshold_3d=md.minipic_seq_threshold_3d,
+            **span_table_args(md.minipic_tables, md.minipic_span_block_size),
+        )
+        return output
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """vLLM's cache write, with span and link keys turned into their frames first."""
+        md = batch_metadata(layer)
+        key = turn_back_tokens(key, getattr(md, "minipic_key_turn", None))
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+    def _rope_table(self, device: torch.device) -> torch.Tensor:
+        """The model's fp32 cos/sin table on `device`, checked and moved once."""
+        if self._cos_sin is None or self._cos_sin.device != device:
+            rope = current_rope()
+            problem = head_mismatch(rope, self.head_size)
+            if problem:
+                raise UnsupportedAttentionError(problem)
+            table = rope.cos_sin(device)
+            check_rope(self.head_size, rope.rotary_dim, table)
+            self._cos_sin = table
+        return self._cos_sin
+
+
+def _host_extents(m) -> tuple[list[int], list[int]]:
+    """Per request query start locations and sequence lengths, as host lists (the
+    metadata's CPU copies: this runs for batches with markers only)."""
+    query_start_loc = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+    seq_lens_cpu = getattr(m, "seq_lens_cpu", None)  # a property on vLLM 0.25
+    seq_lens = (m.seq_lens if seq_lens_cpu is None else seq_lens_cpu)[: m.num_reqs].tolist()
+    return query_start_loc, seq_lens
+
+
+def _on(device, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device, non_blocking=True)
+
+
+def _refuse_unsupported(impl: MiniPICFlashImpl) -> None:
+    problems = {
+        f"kv_cache_dtype={impl.kv_cache_dtype!r} (fp8/int8/int4 caches are not supported: "
+        f"use one of {', '.join(_SUPPORTED_KV_CACHE_DTYPES)})":
+            impl.kv_cache_dtype not in _SUPPORTED_KV_CACHE_DTYPES,
+        "ALiBi slopes": impl.alibi_slopes is not None,
+        "sliding-window attention": tuple(impl.sliding_window) != (-1, -1),
+        "logits soft-capping": bool(impl.logits_soft_cap),
+        "attention sinks": impl.sinks is not None,
+        f"attention type {impl.attn_type!r} (only decoder self-attention)":
+            impl.attn_type != AttentionType.DECODER,
+    }
+    found = [name for name, present in problems.items() if present]
+    if found:
+        raise UnsupportedAttentionError(
+            "minipic's position-free CUDA attention does not support " + "; ".join(found))

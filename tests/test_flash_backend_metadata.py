@@ -1,0 +1,82 @@
+"""minipic's CUDA metadata builder: what each batch hands attention (CPU, no kernel).
+
+The kernel itself is checked under the interpreter (test_triton_kernel_interpreter.py);
+here, what the builder adds to FlashAttention's metadata: a batch without markers gets
+nothing (stock FlashAttention runs it, and writes K as the model rotated it); a batch
+with spans and links gets its tables, per-token link shifts for Q, and per-token K
+turn-backs into the keys' frames.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder  # noqa: E402
+
+from minipic.attention import flash_backend as fb  # noqa: E402
+from minipic.attention.span_layout import key_turn_backs, token_shifts  # noqa: E402
+from minipic.devtools.paged_attention_case import marker_layout  # noqa: E402
+
+BLOCK = 16
+MAX_BLOCKS = 12
+
+
+@pytest.fixture
+def builder(monkeypatch):
+    """The builder past vLLM's own part: build() on a stub metadata."""
+    monkeypatch.setattr(FlashAttentionMetadataBuilder, "build",
+                        lambda self, *args, **kwargs: SimpleNamespace())
+    built = object.__new__(fb.MiniPICFlashMetadataBuilder)
+    built.block_size, built.device = BLOCK, torch.device("cpu")
+    built.segments, built.seq_threshold_3d = ("scratch",), 8
+    return built
+
+
+def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_lens: list[int]):
+    monkeypatch.setattr(fb, "current_layout",
+                        lambda num_reqs, block_size: marker_layout(markers, MAX_BLOCKS, BLOCK))
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    common = SimpleNamespace(num_reqs=len(seq_lens), query_start_loc=starts,
+                             query_start_loc_cpu=starts,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+    return builder.build(0, common)
+
+
+def test_plain_batches_are_left_to_flash_attention(builder, monkeypatch):
+    md = build(builder, monkeypatch, ["", ""], [5, 1], [40, 17])
+    assert md.minipic_tables is None
+    assert md.minipic_token_shift is None and md.minipic_key_turn is None
+
+
+def test_a_link_batch_gets_its_tables_shifts_and_key_turns(builder, monkeypatch):
+    markers = ["-S-S-LLP", "-SLP"]
+    md = build(builder, monkeypatch, markers, [42, 3], [122, 43])
+    layout = marker_layout(markers, MAX_BLOCKS, BLOCK)
+    assert torch.equal(md.minipic_tables.span_of, layout.span_of)
+    assert torch.equal(md.minipic_tables.context_pos, layout.context_pos)
+    # links end after blocks 6 and 2; two link blocks and one
+    assert md.minipic_tables.links_end.tolist() == [7 * BLOCK, 3 * BLOCK]
+    assert md.minipic_tables.link_tokens.tolist() == [2 * BLOCK, BLOCK]
+    # spans' keys relative to their SSep block; keys past the links at logical positions
+    assert md.minipic_tables.frame_offset[0, :8].tolist() == [0, BLOCK, BLOCK, 3 * BLOCK,
+                                                             3 * BLOCK, 0, 0, 2 * BLOCK]
+    assert torch.equal(md.minipic_token_shift,
+                       token_shifts(layout, [0, 42, 45], [122, 43], BLOCK))
+    # request 0's 42 new tokens: link 1 (shift 4 blocks), link 2 (3 blocks), the task
+    # past the links (frame offset: the two link blocks)
+    assert md.minipic_key_turn[:42].tolist() == [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + \
+        [2 * BLOCK] * 10
+    assert torch.equal(md.minipic_key_turn,
+                       key_turn_backs(layout, [0, 42, 45], [122, 43], BLOCK))
+    assert md.minipic_segments == ("scratch",) and md.minipic_seq_threshold_3d == 8
+
+
+def test_spans_without_links_turn_span_keys_only(builder, monkeypatch):
+    md = build(builder, monkeypatch, ["-S-P"], [64], [64])
+    assert md.minipic_token_shift is None
+    assert md.minipic_key_turn.tolist() == [0] * 16 + [BLOCK] * 32 + [0] * 16
