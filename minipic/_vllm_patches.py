@@ -56,11 +56,11 @@ versions, worker process unless said otherwise):
 |   .scaling_factors                                |                       |                          |
 | forward_context.get_forward_context().attn_metadata, | attention/links.py | the batch's metadata in  |
 |   Attention layer .layer_name                     |                       | the KV-cache write       |
-| FlashAttentionMetadataBuilder .num_heads_kv,      | attention/            | split-KV scratch of the  |
-|   .num_heads_q, .headdim, .block_size, .device;   |   flash_backend.py    | span kernel, refusals;   |
+| Flash/TritonAttentionMetadataBuilder .num_heads_kv,| attention/           | split-KV scratch of the  |
+|   .num_heads_q, .headdim, .block_size, .device;   |   cuda_backend.py     | span kernel, refusals;   |
 |   attn metadata .causal, .mm_prefix_range_tensor, |                       | the KV cache write and   |
-|   impl .sliding_window, .sinks, .logits_soft_cap, |                       | plain batches are        |
-|   .kv_cache_dtype, .alibi_slopes                  |                       | FlashAttention's own     |
+|   impl .sliding_window, .sinks, .logits_soft_cap, |                       | plain batches are the    |
+|   .kv_cache_dtype, .alibi_slopes, .chunk_lookback |                       | stock backend's own      |
 | CommonAttentionMetadata .query_start_loc(_cpu),   | attention/*_backend.py| per-request query and    |
 |   .seq_lens(_cpu), .block_table_tensor, .num_reqs |                       | key extents              |
 """
@@ -247,7 +247,9 @@ def _patch_attention_selector() -> None:
                 return original(*args, **kwargs)
             from minipic.attention.backend_choice import position_free_backend
 
-            return position_free_backend()
+            # get_attn_backend(head_size, dtype, ...) on both vLLM versions
+            named = dict(zip(("head_size", "dtype"), args)) | kwargs
+            return position_free_backend(named["head_size"], named["dtype"])
         return get_attn_backend
 
     _wrap(selector, "get_attn_backend", make, also_in=(attention,))

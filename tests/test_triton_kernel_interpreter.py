@@ -165,7 +165,7 @@ def _run_backend_forward(name: str) -> float | str:
 
     if importlib.util.find_spec("vllm") is None:
         return "skipped: vllm is not installed"
-    from minipic.attention import flash_backend as fb
+    from minipic.attention import cuda_backend as fb
     from minipic.attention.rope import RopeParams
     from minipic.devtools.paged_attention_case import make_case, reference_attention, relative_error
 
@@ -218,7 +218,7 @@ def _run_backend_links() -> float | str:
         return "skipped: vllm is not installed"
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
-    from minipic.attention import flash_backend as fb
+    from minipic.attention import cuda_backend as fb
     from minipic.attention import rope as rope_registry
     from minipic.attention.rotation import rotate
     from minipic.attention.span_layout import key_turn_backs, token_shifts, visible_keys

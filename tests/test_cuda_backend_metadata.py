@@ -1,10 +1,10 @@
-"""minipic's CUDA metadata builder: what each batch hands attention (CPU, no kernel).
+"""minipic's CUDA metadata builders: what each batch hands attention (CPU, no kernel).
 
 The kernel itself is checked under the interpreter (test_triton_kernel_interpreter.py);
-here, what the builder adds to FlashAttention's metadata: a batch without markers gets
-nothing (stock FlashAttention runs it, and writes K as the model rotated it); a batch
-with spans and links gets its tables, per-token link shifts for Q, and per-token K
-turn-backs into the keys' frames.
+here, what the builders add to FlashAttention's and Triton's metadata: a batch without
+markers gets nothing (the stock backend runs it, and writes K as the model rotated
+it); a batch with spans and links gets its tables, per-token link shifts for Q, and
+per-token K turn-backs into the keys' frames.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder  # noqa: E402
+from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder  # noqa: E402
 
-from minipic.attention import flash_backend as fb  # noqa: E402
+from minipic.attention import cuda_backend as fb  # noqa: E402
 from minipic.attention.span_layout import key_turn_backs, token_shifts  # noqa: E402
 from minipic.devtools.paged_attention_case import marker_layout  # noqa: E402
 
@@ -26,12 +27,14 @@ BLOCK = 16
 MAX_BLOCKS = 12
 
 
-@pytest.fixture
-def builder(monkeypatch):
-    """The builder past vLLM's own part: build() on a stub metadata."""
-    monkeypatch.setattr(FlashAttentionMetadataBuilder, "build",
-                        lambda self, *args, **kwargs: SimpleNamespace())
-    built = object.__new__(fb.MiniPICFlashMetadataBuilder)
+@pytest.fixture(params=["flash", "triton"])
+def builder(monkeypatch, request):
+    """Each builder past vLLM's own part: build() on a stub metadata."""
+    stock, ours = {"flash": (FlashAttentionMetadataBuilder, fb.MiniPICFlashMetadataBuilder),
+                   "triton": (TritonAttentionMetadataBuilder, fb.MiniPICTritonMetadataBuilder)
+                   }[request.param]
+    monkeypatch.setattr(stock, "build", lambda self, *args, **kwargs: SimpleNamespace())
+    built = object.__new__(ours)
     built.block_size, built.device = BLOCK, torch.device("cpu")
     built.segments, built.seq_threshold_3d = ("scratch",), 8
     return built
@@ -47,7 +50,7 @@ def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_l
     return builder.build(0, common)
 
 
-def test_plain_batches_are_left_to_flash_attention(builder, monkeypatch):
+def test_plain_batches_are_left_to_the_stock_backend(builder, monkeypatch):
     md = build(builder, monkeypatch, ["", ""], [5, 1], [40, 17])
     assert md.minipic_tables is None
     assert md.minipic_token_shift is None and md.minipic_key_turn is None

@@ -1,21 +1,25 @@
-"""Worker side: minipic's attention backend for CUDA, on vLLM's FlashAttention.
+"""Worker side: minipic's attention backends for CUDA, on vLLM's own backends.
 
 Keys are stored in their frames (span_layout.SpanLayout.frame_offset), so a batch
 without span markers is exactly stock vLLM's: its KV cache write and its attention
-are FlashAttention's own (FA3 on Hopper), nothing added. A batch with markers
-turns its new keys back into their frames before the cache write (attention.links)
-and runs minipic's Triton kernel (`triton_kernel.unified_attention_rope`) over the
-same paged cache: it turns keys forward by their frame offsets per tile and applies
-the span and EPIC link rules. vLLM 0.25's FlashAttention and Triton backends share
-the cache layout `[blocks, 2, block_size, kv_heads, head_size]`.
+are the stock backend's own, nothing added. A batch with markers turns its new keys
+back into their frames before the cache write (attention.links) and runs minipic's
+Triton kernel (`triton_kernel.unified_attention_rope`) over the same paged cache: it
+turns keys forward by their frame offsets per tile and applies the span and EPIC
+link rules. Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
+  * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
+    models: what stock vLLM picks there;
+  * vLLM's Triton backend otherwise (fp32 models, older GPUs).
+vLLM 0.25's FlashAttention and Triton backends share the cache layout
+`[blocks, 2, block_size, kv_heads, head_size]`.
 
-CUDA graphs: piecewise only. A batch's path (FlashAttention or the span kernel, and
+CUDA graphs: piecewise only. A batch's path (stock attention or the span kernel, and
 the host-driven turn-backs) is chosen per batch in eager code between graph pieces;
 a full graph would replay one path for every batch (`AttentionCGSupport.NEVER`, so
 vLLM captures the model's other pieces and runs attention eagerly).
 
 Registered as `AttentionBackendEnum.CUSTOM`; minipic's attention-selector patch
-returns it whenever minipic is on, so users never pick it by hand.
+returns one of them whenever minipic is on, so users never pick it by hand.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
     FlashAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
 )
 
 from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
@@ -48,30 +57,9 @@ from minipic.attention.triton_kernel import (
 _SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
 
-class MiniPICFlashBackend(PositionFreeTraits, FlashAttentionBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(_SUPPORTED_KV_CACHE_DTYPES)
-
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"  # the registry slot minipic registers this class under
-
-    @staticmethod
-    def get_impl_cls() -> type["MiniPICFlashImpl"]:
-        return MiniPICFlashImpl
-
-    @staticmethod
-    def get_builder_cls() -> type["MiniPICFlashMetadataBuilder"]:
-        return MiniPICFlashMetadataBuilder
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return False  # span batches: the kernel's launch shape depends on the batch
-
-
-class MiniPICFlashMetadataBuilder(FlashAttentionMetadataBuilder):
-    """vLLM's FlashAttention metadata plus, for batches with markers, what the span
-    kernel needs (span_layout.py).
+class SpanBatchBuilder:
+    """Mixed in before a vLLM metadata builder: its metadata plus, for batches with
+    markers, what the span kernel needs (span_layout.py).
 
     Sets on the metadata: `minipic_tables` (a SpanLayout of this batch, on the device)
     or None for a batch without markers, `minipic_token_shift` (per token link shifts,
@@ -114,7 +102,10 @@ class MiniPICFlashMetadataBuilder(FlashAttentionMetadataBuilder):
         return metadata
 
 
-class MiniPICFlashImpl(FlashAttentionImpl):
+class SpanBatchImpl:
+    """Mixed in before a vLLM attention impl: stock for batches without markers, the
+    span kernel (and keys turned into their frames) for batches with them."""
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self)
@@ -144,7 +135,7 @@ class MiniPICFlashImpl(FlashAttentionImpl):
             raise UnsupportedAttentionError("minipic's attention has no fused output quantization")
         md = attn_metadata
         if md is None or getattr(md, "minipic_tables", None) is None:
-            # Profiling run, or a batch without markers: stock FlashAttention.
+            # Profiling run, or a batch without markers: the stock backend.
             return super().forward(layer, query, key, value, kv_cache, md, output)
         if md.causal is not True or getattr(md, "mm_prefix_range_tensor", None) is not None:
             raise UnsupportedAttentionError(
@@ -187,6 +178,78 @@ class MiniPICFlashImpl(FlashAttentionImpl):
         return self._cos_sin
 
 
+class MiniPICFlashMetadataBuilder(SpanBatchBuilder, FlashAttentionMetadataBuilder):
+    pass
+
+
+class MiniPICFlashImpl(SpanBatchImpl, FlashAttentionImpl):
+    pass
+
+
+class MiniPICFlashBackend(PositionFreeTraits, FlashAttentionBackend):
+    """fp16/bf16 models on GPUs FlashAttention supports."""
+
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(_SUPPORTED_KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # the registry slot minipic registers this class under
+
+    @staticmethod
+    def get_impl_cls() -> type[MiniPICFlashImpl]:
+        return MiniPICFlashImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[MiniPICFlashMetadataBuilder]:
+        return MiniPICFlashMetadataBuilder
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False  # span batches: the kernel's launch shape depends on the batch
+
+
+class MiniPICTritonMetadataBuilder(SpanBatchBuilder, TritonAttentionMetadataBuilder):
+    pass
+
+
+class MiniPICTritonImpl(SpanBatchImpl, TritonAttentionImpl):
+    pass
+
+
+class MiniPICTritonBackend(PositionFreeTraits, TritonAttentionBackend):
+    """Models or GPUs FlashAttention does not serve (fp32, compute capability < 8.0)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(_SUPPORTED_KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[MiniPICTritonImpl]:
+        return MiniPICTritonImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[MiniPICTritonMetadataBuilder]:
+        return MiniPICTritonMetadataBuilder
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False
+
+
+def flash_attention_serves(head_size: int, dtype: torch.dtype) -> bool:
+    """Whether FlashAttention runs this model's attention on this GPU (else Triton)."""
+    from vllm.platforms import current_platform
+
+    capability = current_platform.get_device_capability()
+    return (dtype in (torch.float16, torch.bfloat16)
+            and FlashAttentionBackend.supports_head_size(head_size)
+            and capability is not None
+            and FlashAttentionBackend.supports_compute_capability(capability))
+
+
 def _host_extents(m) -> tuple[list[int], list[int]]:
     """Per request query start locations and sequence lengths, as host lists (the
     metadata's CPU copies: this runs for batches with markers only)."""
@@ -200,13 +263,14 @@ def _on(device, tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.to(device, non_blocking=True)
 
 
-def _refuse_unsupported(impl: MiniPICFlashImpl) -> None:
+def _refuse_unsupported(impl: SpanBatchImpl) -> None:
     problems = {
         f"kv_cache_dtype={impl.kv_cache_dtype!r} (fp8/int8/int4 caches are not supported: "
         f"use one of {', '.join(_SUPPORTED_KV_CACHE_DTYPES)})":
             impl.kv_cache_dtype not in _SUPPORTED_KV_CACHE_DTYPES,
         "ALiBi slopes": impl.alibi_slopes is not None,
         "sliding-window attention": tuple(impl.sliding_window) != (-1, -1),
+        "chunked local attention": getattr(impl, "chunk_lookback", -1) != -1,
         "logits soft-capping": bool(impl.logits_soft_cap),
         "attention sinks": impl.sinks is not None,
         f"attention type {impl.attn_type!r} (only decoder self-attention)":
