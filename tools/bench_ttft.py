@@ -159,7 +159,10 @@ DEFAULT_DISK_PHASES = ["warm:4"]
 
 
 def disk_phase_list(text: str) -> list[str]:
-    """`warm:4,cold:16`, checked while parsing: a typo fails now, not after the first phases."""
+    """`warm:4,cold:16`, checked while parsing: a typo fails now, not after the first phases;
+    `none`: no disk phase."""
+    if text == "none":
+        return []
     specs = text.split(",")
     for spec in specs:
         Phase.disk(spec)
