@@ -27,6 +27,24 @@ def test_no_markers_sees_everything():
     assert layout([10, 11, 12]).is_plain()
 
 
+def test_a_span_at_the_prompt_start_is_stock_attention_and_any_other_is_not():
+    # a span prefilled alone, then its task: every query sees every key before it
+    assert layout([3, 9, 4]).is_plain()
+    assert layout([3, 9, 4]).frame_offset.tolist() == [[0, 0, 0]]
+    # a second span sees only itself, stored relative to its start
+    spans = layout([3, 9, 3, 9])
+    assert not spans.is_plain() and spans.frame_offset.tolist() == [[0, 0, 64, 64]]
+    assert not layout([1, 3, 9]).is_plain()  # after a header
+
+
+def test_frames_of_links_and_the_task_after_them():
+    # header, span 1 (blocks 1-2), span 2 (3-5), link 1, link 2 (2 blocks), PDep task
+    found = layout([1, 3, 9, 3, 9, 9, 6, 6, 9, 4], block_size=16)
+    # spans relative to their SSep blocks, links at 0 (turned back by their shifts),
+    # the task at its logical position (48 link tokens back)
+    assert found.frame_offset.tolist() == [[0, 16, 16, 48, 48, 48, 0, 0, 0, 48]]
+
+
 def test_ssep_segments_and_pdep_reset():
     # blocks: header, SSep span (2 blocks), SSep span, PDep task, generated
     assert table([1, 3, 50, 3, 4, 60]) == [[0, 32, 32, 96, 0, 0]]

@@ -137,9 +137,12 @@ class SpanLayout:
         return bool(self.shift.any())
 
     def is_plain(self) -> bool:
-        """Stock causal attention: no spans, no links, nothing quiet."""
+        """Stock causal attention over keys at their positions: no links, nothing quiet,
+        and no span but at a prompt's start (a span prefilled alone). A query in such a
+        span sees every key before it, and its frame is the prompt's: stock attention
+        gives it exactly its span's KV."""
         quiet = self.quiet is not None and bool(self.quiet.any())
-        return not bool((self.span_of >= 0).any()) and not self.has_links() and not quiet
+        return not bool(self.frame_offset.any()) and not self.has_links() and not quiet
 
 
 def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_size: int,
