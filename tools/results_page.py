@@ -120,7 +120,7 @@ def render(metrics: Mapping[str, Mapping[str, Any]]) -> str:
         "A goal with a comparison is judged against the value (met or missed); a condition in "
         "brackets is not checked (\"met on value\"); any other goal is only reported. How each "
         "number was measured, and what it means, is in docs/accuracy.md, docs/recipes.md, "
-        "docs/benchmarks.md, docs/kernel.md and docs/connector.md.",
+        "docs/benchmarks.md, docs/attention.md and docs/connector.md.",
         "",
         *_summary_table(metrics),
         "",

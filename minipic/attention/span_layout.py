@@ -240,21 +240,20 @@ def current_layout(num_reqs: int, block_size: int) -> SpanLayout | None:
     return layout
 
 
-def query_blocks(query_start_loc: list[int], seq_lens: list[int], block_size: int,
-                 device: torch.device | None = None) -> list[torch.Tensor]:
-    """Per request, the block index of each of its query tokens (the last ones of its sequence)."""
-    result = []
-    for i, seq_len in enumerate(seq_lens):
-        num_queries = query_start_loc[i + 1] - query_start_loc[i]
-        result.append(torch.arange(seq_len - num_queries, seq_len, device=device) // block_size)
-    return result
-
-
 def per_query_token(table: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                     block_size: int) -> torch.Tensor:
-    """Per query token of the batch, its block's entry of a [reqs, blocks] table."""
-    blocks = query_blocks(query_start_loc, seq_lens, block_size, table.device)
-    return torch.cat([table[i, b] for i, b in enumerate(blocks)])
+    """Per query token of the batch, its block's entry of a [reqs, blocks] table.
+
+    A request's query tokens are the last ones of its sequence. One gather for the
+    whole batch: a step may hold a thousand requests."""
+    device = table.device
+    starts = torch.tensor(query_start_loc[: len(seq_lens) + 1], device=device)
+    num_queries = starts[1:] - starts[:-1]
+    request = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), num_queries)
+    first_position = torch.tensor(seq_lens, device=device) - num_queries
+    position = first_position[request] + torch.arange(request.shape[0], device=device) \
+        - starts[:-1][request]
+    return table[request, position // block_size]
 
 
 def token_shifts(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],

@@ -415,7 +415,7 @@ class LaunchConfig:
     prefetch: bool = False  # load tile j+1's K while tile j is computed
 
 
-# Launch shapes, chosen from the tile sweeps on an H200 (docs/kernel.md).
+# Launch shapes, chosen from the tile sweeps on an H200 (docs/attention.md).
 # Split-KV decode (<= seq_threshold_3d requests): 32-key tiles (stock uses 16).
 DECODE_3D = LaunchConfig(block_m=16, tile_size=32)
 # Larger decode batches and short chunks: wide tiles, K prefetched by hand.
