@@ -13,8 +13,8 @@ there). So such a prompt is refused unless the request
     OpenAI API `"vllm_xargs": {"minipic_end_in_span": 1}`.
 
 A prompt ending inside an EPIC link segment is refused for more than one token with
-no opt-in: generated tokens would sit at the link's shifted positions, which the
-host turns back in eager steps but a replayed CUDA graph would not (attention.links).
+no opt-in: generated tokens would sit at the link's shifted positions, and their keys'
+frames would follow the prompt's length, not the block hashes that cache them.
 """
 
 from __future__ import annotations

@@ -49,8 +49,12 @@ def model_problems(vllm_config: Any) -> list[str]:
         "prefill context parallelism: hash blocks span several KV blocks": getattr(
             vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1,
         "Inductor graph partition: it captures the KV cache update, where minipic turns "
-        "EPIC link keys back (attention.links); use vLLM's default splitting": bool(getattr(
+        "span and link keys into their frames (attention.links); use vLLM's default "
+        "splitting": bool(getattr(
             vllm_config.compilation_config, "use_inductor_graph_partition", False)),
+        "compilation splitting_ops without vllm::unified_kv_cache_update: a CUDA graph "
+        "piece would replay the KV cache update with the turn of span and link keys into "
+        "their frames of the batch it was captured with": _kv_update_captured(vllm_config),
     }
     problems = [reason for reason, present in checks.items() if present]
     problems += _connector_problems(vllm_config) + _mask_markers_problems(vllm_config)
@@ -61,6 +65,17 @@ def model_problems(vllm_config: Any) -> list[str]:
         for name in _ROPE_KV_FUSIONS if getattr(pass_config, name, False)
     ]
     return problems
+
+
+def _kv_update_captured(vllm_config: Any) -> bool:
+    """Whether CUDA graph pieces would hold the KV cache update (a user's splitting_ops)."""
+    from vllm.config import CompilationMode
+    from vllm.platforms import current_platform
+
+    cc = vllm_config.compilation_config
+    contains = getattr(cc, "splitting_ops_contain_kv_cache_update", None)
+    return (current_platform.is_cuda() and cc.mode == CompilationMode.VLLM_COMPILE
+            and contains is not None and not contains())
 
 
 def _connector_problems(vllm_config: Any) -> list[str]:
@@ -74,7 +89,8 @@ def _connector_problems(vllm_config: Any) -> list[str]:
     if not name or name == CONNECTOR_NAME:
         return []
     return [f"kv_connector {name!r}: it would share or load KV blocks that stock vLLM "
-            f"instances read as rotated; use {CONNECTOR_NAME} (docs/connector.md)"]
+            f"instances read with keys at their positions, not in span frames; use "
+            f"{CONNECTOR_NAME} (docs/connector.md)"]
 
 
 def _mask_markers_problems(vllm_config: Any) -> list[str]:

@@ -198,3 +198,25 @@ def test_mask_markers_is_refused_off_the_cpu(monkeypatch):
     assert support._mask_markers_problems(config) == []  # this machine: CPU
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     assert "CPU backend only" in support._mask_markers_problems(config)[0]
+
+
+def test_splitting_ops_that_capture_the_kv_cache_write_are_refused_on_cuda(monkeypatch):
+    """On CUDA, a graph piece holding the KV cache write would replay the turn of span keys
+    into their frames of the batch it was captured with: such splitting_ops are refused."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CompilationMode
+    from vllm.platforms import current_platform
+
+    from minipic import support
+
+    def captured(splitting_ops):
+        cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=splitting_ops)
+        return support._kv_update_captured(SimpleNamespace(compilation_config=cc))
+
+    assert not captured(["vllm::unified_attention"])  # this machine: CPU
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    assert captured(["vllm::unified_attention"])
+    assert not captured(None)  # vLLM's default splitting keeps the write out of graphs
+    assert not captured(["vllm::unified_attention", "vllm::unified_kv_cache_update",
+                         "vllm::unified_mla_kv_cache_update"])

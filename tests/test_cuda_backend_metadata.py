@@ -20,7 +20,6 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder 
 from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder  # noqa: E402
 
 from minipic.attention import cuda_backend as fb  # noqa: E402
-from minipic.attention.span_layout import key_turn_backs, token_shifts  # noqa: E402
 from minipic.devtools.paged_attention_case import marker_layout  # noqa: E402
 
 BLOCK = 16
@@ -68,14 +67,13 @@ def test_a_link_batch_gets_its_tables_shifts_and_key_turns(builder, monkeypatch)
     # spans' keys relative to their SSep block; keys past the links at logical positions
     assert md.minipic_tables.frame_offset[0, :8].tolist() == [0, BLOCK, BLOCK, 3 * BLOCK,
                                                              3 * BLOCK, 0, 0, 2 * BLOCK]
-    assert torch.equal(md.minipic_token_shift,
-                       token_shifts(layout, [0, 42, 45], [122, 43], BLOCK))
-    # request 0's 42 new tokens: link 1 (shift 4 blocks), link 2 (3 blocks), the task
-    # past the links (frame offset: the two link blocks)
-    assert md.minipic_key_turn[:42].tolist() == [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + \
-        [2 * BLOCK] * 10
-    assert torch.equal(md.minipic_key_turn,
-                       key_turn_backs(layout, [0, 42, 45], [122, 43], BLOCK))
+    # Q: request 0's 42 new tokens are link 1 (shift 4 blocks), link 2 (3 blocks) and the
+    # task; request 1's 3 sit in its link (1 block back)
+    assert md.minipic_token_shift.tolist() == [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [0] * 10 \
+        + [BLOCK] * 3
+    # K: the same, and the task past the links at its logical position (two link blocks)
+    assert md.minipic_key_turn.tolist() == [4 * BLOCK] * 16 + [3 * BLOCK] * 16 \
+        + [2 * BLOCK] * 10 + [BLOCK] * 3
     assert md.minipic_segments == ("scratch",) and md.minipic_seq_threshold_3d == 8
 
 

@@ -97,8 +97,8 @@ CASES = {
                             {"config": "PREFETCH"}),
 }
 TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
-# Through MiniPICFlashImpl.forward, with vLLM 0.25's KV cache layout: a span batch.
-BACKEND_CASES = ("backend_forward_spans",)
+# Through MiniPICFlashImpl.forward, a span batch, with the KV cache in each vLLM layout.
+BACKEND_CASES = ("backend_forward_5d_cache", "backend_forward_4d_cache")
 # Through the backend's KV cache write and forward with EPIC links: Q and K turned back.
 BACKEND_LINK_CASE = "backend_links_turn_back_fp32"
 
@@ -173,7 +173,13 @@ def _run_backend_forward(name: str) -> float | str:
                      markers=["-S-", "-S", "S"], seed=7)
     fb.current_rope = lambda: RopeParams(head_size=64, rotary_dim=case.rotary_dim,
                                          is_neox_style=case.is_neox, cos_sin_fp32=case.cos_sin)
-    kv_cache = torch.stack((case.k_cache, case.v_cache), dim=1)  # [blocks, 2, bs, heads, dim]
+    if name == "backend_forward_5d_cache":  # vLLM 0.25: [blocks, 2, block_size, heads, dim]
+        kv_cache = torch.stack((case.k_cache, case.v_cache), dim=1)
+    else:  # later: [blocks, heads, block_size, 2 * dim]
+        kv_cache = torch.cat((case.k_cache, case.v_cache), dim=-1).transpose(1, 2).contiguous()
+    k_view, v_view = fb.split_kv_cache(kv_cache, 64)
+    assert torch.equal(k_view.nan_to_num(), case.k_cache.nan_to_num())
+    assert torch.equal(v_view.nan_to_num(), case.v_cache.nan_to_num())
     out = torch.full_like(case.q, float("nan"))
     _flash_impl(fb, 64, case.scale).forward(None, case.q, None, None, kv_cache,
                                             _span_metadata(case, case.q), out)

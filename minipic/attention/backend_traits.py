@@ -1,8 +1,8 @@
 """What every position-free backend supports, declared once for vLLM's backend checks.
 
-Causal decoder self-attention only: the key rotation and span segments assume
-key j of a request sits at logical position j and that queries see keys before
-them. Windows, sinks, bidirectional ranges and ALiBi would each need their own
+Causal decoder self-attention only: span frames and segments assume key j of a
+request sits at position j (or its logical position) and that queries see keys
+before them. Windows, sinks, bidirectional ranges and ALiBi would each need their own
 position handling.
 """
 

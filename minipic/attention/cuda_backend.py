@@ -1,8 +1,9 @@
 """Worker side: minipic's attention backends for CUDA, on vLLM's own backends.
 
 Keys are stored in their frames (span_layout.SpanLayout.frame_offset), so a batch
-without span markers is exactly stock vLLM's: its KV cache write and its attention
-are the stock backend's own, nothing added. A batch with markers turns its new keys
+whose layout is plain (no span markers, or only a span at the prompt's start) is stock
+vLLM's: its KV cache write and its attention are the stock backend's own, nothing
+added (eager; compiled, see below). Any other batch turns its new keys
 back into their frames before the cache write (attention.links) and runs minipic's
 Triton kernel (`triton_kernel.unified_attention_rope`) over the same paged cache: it
 turns keys forward by their frame offsets per tile and applies the span and EPIC
@@ -11,7 +12,8 @@ link rules. Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchI
     models: what stock vLLM picks there;
   * vLLM's Triton backend otherwise (fp32 models, older GPUs).
 vLLM 0.25's FlashAttention and Triton backends share the cache layout
-`[blocks, 2, block_size, kv_heads, head_size]`.
+`[blocks, 2, block_size, kv_heads, head_size]` (later releases
+`[blocks, kv_heads, block_size, 2 * head_size]`: `split_kv_cache` reads both).
 
 CUDA graphs: piecewise only. A batch's path (stock attention or the span kernel, and
 the host-driven turn-backs) is chosen per batch in eager code between graph pieces;
@@ -142,7 +144,7 @@ class SpanBatchImpl:
                 "minipic's attention is causal decoder attention only (no per-request "
                 "causality, no multimodal bidirectional ranges)")
         n = md.num_actual_tokens
-        key_cache, value_cache = kv_cache.unbind(1)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rope = current_rope()
         query = turn_back_tokens(query, md.minipic_token_shift)
         segm_output, segm_max, segm_expsum = md.minipic_segments
@@ -242,12 +244,25 @@ class MiniPICTritonBackend(PositionFreeTraits, TritonAttentionBackend):
 def flash_attention_serves(head_size: int, dtype: torch.dtype) -> bool:
     """Whether FlashAttention runs this model's attention on this GPU (else Triton)."""
     from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
 
     capability = current_platform.get_device_capability()
     return (dtype in (torch.float16, torch.bfloat16)
             and FlashAttentionBackend.supports_head_size(head_size)
             and capability is not None
-            and FlashAttentionBackend.supports_compute_capability(capability))
+            and FlashAttentionBackend.supports_compute_capability(capability)
+            and get_flash_attn_version(head_size=head_size) is not None)  # this build has FA
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views [blocks, block_size, kv_heads, head_size] of the layer's cache.
+
+    vLLM 0.25 keeps [blocks, 2, block_size, kv_heads, head_size]; later releases
+    [blocks, kv_heads, block_size, 2 * head_size]. Views only: no copies.
+    """
+    if kv_cache.dim() == 5:
+        return kv_cache.unbind(1)
+    return kv_cache.transpose(1, 2).split(head_size, dim=-1)
 
 
 def _host_extents(m) -> tuple[list[int], list[int]]:

@@ -1,4 +1,4 @@
-"""Rotating keys by their logical positions, in fp32 (the torch reference math)."""
+"""RoPE rotations in fp32: keys into and out of their frames, queries to logical positions."""
 
 from __future__ import annotations
 

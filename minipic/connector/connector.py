@@ -54,7 +54,8 @@ def check_engine_config(vllm_config: Any) -> None:
 
 def check_minipic_active(role: KVConnectorRole) -> None:
     """minipic's plugin must have patched this process, or the store would get
-    stock hashes (scheduler) or rotated K (worker) under minipic's namespace.
+    stock hashes (scheduler) or span keys outside their frames (worker) under
+    minipic's namespace.
     It marks each wrapper with `__minipic_original__` (minipic/_vllm_patches.py)."""
     if role == KVConnectorRole.SCHEDULER:
         from vllm.v1.core import kv_cache_utils as module
@@ -75,7 +76,7 @@ class MiniPICConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         apply_offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         check_minipic_active(role)
-        check_engine_config(vllm_config)  # both roles: workers must not store rotated K
+        check_engine_config(vllm_config)  # both roles: workers must store span frames
         super().__init__(vllm_config, role, kv_cache_config)
         self._span_heads: SpanHeads | None = None
         if self.connector_scheduler is not None:

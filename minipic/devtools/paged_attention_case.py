@@ -2,8 +2,10 @@
 
 Shared by the kernel tests (interpreter and GPU) and `tools/bench_kernel.py`.
 `k_model` holds K as the model computed it, unrotated: the reference rotates it.
-`k_cache` holds K as minipic stores it, rotated in its frame (SpanLayout.frame_offset;
-without a layout at its position, as stock vLLM stores it); `rotated_k_cache()`
+`k_cache` holds K as the span kernel reads it: k_model rotated by its index minus its
+SpanLayout.frame_offset (without a layout by its index, as stock vLLM stores it). Link
+keys are taken at their index: the backend's cache write turns them back by their
+shift too, which the backend tests check; `rotated_k_cache()`
 gives every key rotated by its position, so stock kernels can be run on the same
 problem.
 """

@@ -186,11 +186,12 @@ def test_plain_prompts_are_stock_flash_attention(runs):
 
 @pytest.mark.parametrize("run", ["on_eager", "on_compiled"])
 def test_logprobs_match_minipic_off(runs, run):
-    """minipic vs stock Triton differs no more than two stock backends differ from each other.
+    """minipic vs stock Triton differs no more than two stock backends differ from each other
+    (compiled, minipic runs piecewise graphs where stock FA3 also captures full decode
+    graphs, so its numbers need not equal stock's bit for bit).
 
-    32 random layers amplify any rounding difference (stock rotates K with a
-    bf16 cos/sin cache before a bf16 store, minipic in fp32 inside attention),
-    so the yardstick is measured on the same prompts: FA3 against stock Triton.
+    32 random layers amplify any rounding difference, so the yardstick is measured on the
+    same prompts: FA3 against stock Triton.
     """
     _need(runs, run, "off_eager", "off_triton")
     noise = _compare(runs["off_eager"], runs["off_triton"])

@@ -6,7 +6,7 @@ of the CPU tier to and from block files. It reuses vLLM's FS-tier machinery
 (`AsyncLookupManager` for non-blocking existence checks, `DualQueueThreadPool`
 for I/O) and adds what the stock FS tier lacks:
 
-  * a namespace (see `store.namespace`): rotated-K stores and other
+  * a namespace (see `store.namespace`): stores of other key formats and other
     configurations are never read;
   * self-checking files: a bad file fails its load, is removed and remembered
     as a miss for this process, so its blocks are recomputed (never loaded);

@@ -148,7 +148,7 @@ def looks_like_vllm_offload_dir(root: Path) -> bool:
 def scan_store(root: str | os.PathLike) -> list[NamespaceStats]:
     root = Path(root)
     if not is_store_root(root):
-        hint = (" (it looks like a stock vLLM offload directory: its blocks hold rotated K "
-                "and must not be used by minipic)" if looks_like_vllm_offload_dir(root) else "")
+        hint = (" (it looks like a stock vLLM offload directory: its span blocks hold keys at "
+                "their positions, not in span frames, and must not be used by minipic)" if looks_like_vllm_offload_dir(root) else "")
         raise NotAStore(f"{root} is not a minipic store{hint}")
     return [scan_namespace(d, fields) for d, fields in list_namespaces(root)]

