@@ -11,6 +11,7 @@ import pytest
 from conftest import start_llm
 
 from minipic.client import epic
+from minipic.client.document_spans import document_spans
 from minipic.protocol import SpanProtocol
 from minipic.serving.chat_documents import (
     DocumentsRequestError, build_span_prompt, document_texts, request_recipe,
@@ -34,6 +35,20 @@ def test_layout_is_header_spans_links_task():
     assert prompt.final == epic([[101, 102], [103]], task, system=header, protocol=PROTOCOL,
                                 block_size=4).final
     assert prompt.final[:12] == [1, 7, 8, 5, 3, 101, 102, 5, 3, 103, 5, 5]
+
+
+def test_long_documents_are_cut_into_the_spans_preload_stores():
+    """A document longer than a span: the same spans minipic-preload and RagClient make
+    from it (document_spans), so a preloaded document hits from a chat request."""
+    long_doc = " ".join(["a"] * 600)  # 600 tokens: two spans of at most 511
+    prompt = build_span_prompt([], [9], [long_doc, "ccc"], tokenizer=WordTokenizer(),
+                               protocol=PROTOCOL, block_size=4, recipe="block_attention")
+    preloaded = document_spans(long_doc, protocol=PROTOCOL, block_size=4,
+                               tokenizer=WordTokenizer()) + \
+        document_spans("ccc", protocol=PROTOCOL, block_size=4, tokenizer=WordTokenizer())
+    assert len(preloaded) == 3
+    assert prompt.span_prefills == preloaded
+    assert prompt.final[:sum(map(len, preloaded))] == [t for span in preloaded for t in span]
 
 
 def test_header_that_is_not_a_prefix_is_refused():

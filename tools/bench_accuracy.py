@@ -36,13 +36,12 @@ sys.path.insert(0, str(REPO))
 
 from minipic.client import PromptCache, Text, block_attention, epic, tokens_prompt  # noqa: E402
 from minipic.devtools.synthetic_qa import (  # noqa: E402
-    INSTRUCTION, Question, answer_matches, make_questions,
+    Question, answer_matches, chat_parts, encode, make_questions,
 )
 
 DEFAULT_OUT = REPO / "docs" / "results" / "accuracy"
 MAX_NEW_TOKENS = 12
 # Header/task split of the chat template: the user turn is rendered around this.
-_SENTINEL = "\x00USER\x00"
 
 
 # ----------------------------------------------------------------------------- methods
@@ -134,21 +133,6 @@ def doc_region(final: list[int], first_doc_tokens: list[int], task_len: int,
 
 
 # ----------------------------------------------------------------------------- prompts
-
-def chat_parts(tokenizer, question: Question) -> tuple[str, list[str], str]:
-    """(header, documents, task) texts whose concatenation is the plain chat prompt."""
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=True)
-    before, after = rendered.split(_SENTINEL)
-    header = f"{before}{INSTRUCTION}\n\n"
-    docs = [f"{doc}\n\n" for doc in question.docs]
-    task = f"Question: {question.text}{after}{question.answer_prefix}"
-    return header, docs, task
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
 
 def build_prompt(method: str, builder, question: Question, tokenizer, protocol,
                  block_size: int) -> dict[str, Any]:

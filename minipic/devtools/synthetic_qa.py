@@ -211,3 +211,23 @@ def answer_matches(answer: str, gold: str, candidates: tuple[str, ...] | list[st
     if not _mentions(said, normalise(gold)):
         return False
     return not any(_mentions(said, normalise(c)) for c in candidates if c != gold)
+
+
+_USER_SLOT = "\x00USER\x00"
+
+
+def chat_parts(tokenizer, question: Question) -> tuple[str, list[str], str]:
+    """(header, documents, task) texts whose concatenation is the plain chat prompt
+    (the tokenizer's chat template, one user turn, the answer's first words after it)."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _USER_SLOT}], tokenize=False, add_generation_prompt=True)
+    before, after = rendered.split(_USER_SLOT)
+    header = f"{before}{INSTRUCTION}\n\n"
+    docs = [f"{doc}\n\n" for doc in question.docs]
+    task = f"Question: {question.text}{after}{question.answer_prefix}"
+    return header, docs, task
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of a part of the prompt (no BOS: the chat template has its own)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -10,8 +10,10 @@ without knowing KV blocks, markers or the block size:
 The header and the rest are vLLM's own rendering of the conversation without the
 documents (chat template, tools, generation prompt, cache_salt all as usual);
 the header is the rendering of the leading system messages alone, which must be
-a token prefix of the whole. Each document is a span padded to the engine's
-block size; the recipe (`epic` by default, links after all spans, or
+a token prefix of the whole. Each document is cut into spans exactly as
+`minipic-preload` and `RagClient` cut it (client/document_spans.py: windows of
+DEFAULT_SPAN_TOKENS, each padded to the engine's block size), so what a preload
+stored is what a chat request hits; the recipe (`epic` by default, links after all spans, or
 `block_attention`) comes from minipic's `recipe` option or, per request, from
 `vllm_xargs: {"minipic_recipe": ...}`. The builders are minipic.client's, so a
 client building the same prompt from the same token ids gets the same tokens.
@@ -22,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from minipic.client import SpanPrompt, SpanPromptError, block_attention, epic
+from minipic.client.document_spans import document_spans
 from minipic.client.span_prompt import check_body, to_tokens
 from minipic.config import check_recipe
 from minipic.protocol import SpanProtocol
@@ -78,12 +81,14 @@ def build_span_prompt(header: Sequence[int], whole: Sequence[int], texts: Sequen
             "the chat template renders the system messages differently on their own than at "
             "the start of the conversation, so minipic cannot place documents after them")
     task = whole[len(header):]
-    bodies = [_document_tokens(text, tokenizer, protocol, f"documents[{i}]")
-              for i, text in enumerate(texts)]
     builder = epic if recipe == "epic" else block_attention
     # Token ids, not text, and no tokenizer: vLLM's rendering already chose the BOS.
     try:
-        return builder(bodies, task, system=header or None, protocol=protocol,
+        spans = [span for i, text in enumerate(texts)
+                 for span in document_spans(
+                     _document_tokens(text, tokenizer, protocol, f"documents[{i}]"),
+                     protocol=protocol, block_size=block_size, where=f"documents[{i}]")]
+        return builder(spans, task, system=header or None, protocol=protocol,
                        block_size=block_size)
     except SpanPromptError as e:
         raise DocumentsRequestError(str(e)) from None
