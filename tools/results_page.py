@@ -4,7 +4,7 @@
     python tools/results_page.py --check   # exit 1 when docs/results.md is stale
 
 The scoreboard is the one record of measured results; the page is only its
-rendering, generated here and checked by tests/test_results_page.py. After a
+rendering, generated here and checked by tests/tools/test_results_page.py. After a
 change to the scoreboard, run the first command and commit both files.
 
 Each metric's `goal` is text. A goal that starts with a comparison and a number

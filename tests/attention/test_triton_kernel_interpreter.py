@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Header, span 1 (2 blocks), span 2 (2 blocks), link 1, link 2, PDep task (block size 16).
 LINKS = "-S-S-LLP"
 
