@@ -9,7 +9,7 @@ import pytest
 
 import minipic
 
-COMMANDS = {"minipic": "minipic.cli", "minipic-preload": "minipic.client.preload"}
+COMMANDS = {"minipic": "minipic.cli", "minipic-preload": "minipic.client.preload.cli"}
 
 
 def run(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minipic.attention.span_layout import span_layout, visible_keys  # noqa: E402
-from minipic.client.recipes import block_attention, epic  # noqa: E402
+from minipic.client.prompts.recipes import block_attention, epic  # noqa: E402
 from minipic.devtools.smollm2 import smollm2_model_dir, smollm2_protocol  # noqa: E402
 from minipic.devtools.synthetic_qa import chat_parts, encode, make_questions  # noqa: E402
 from minipic.protocol import SpanProtocol  # noqa: E402

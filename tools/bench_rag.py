@@ -335,7 +335,7 @@ def step_profiler(profile_dir: str, run_name: str):
 async def populate_child(spec: dict) -> dict:
     """Config 6, first pass: prefill every span of the workload into the store, then stop."""
     from minipic.client.backends import AsyncLLMBackend
-    from minipic.client.barrier import gather_bounded
+    from minipic.client.rag.barrier import gather_bounded
     from minipic.client.span_prefill import prefill_span
     from minipic.protocol import SpanProtocol
 

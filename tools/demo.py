@@ -50,9 +50,9 @@ ENGINE_ARGS = dict(enforce_eager=True, block_size=32, dtype="float32", max_model
 async def run_engine(model: str, minipic_on: bool, manifest: Path) -> list:
     from minipic.client import DocRef, RagClient
     from minipic.client.backends import AsyncLLMBackend
-    from minipic.client.manifest import Manifest
-    from minipic.client.preload import format_summary
-    from minipic.client.preloader import preload
+    from minipic.client.preload.manifest import Manifest
+    from minipic.client.preload.cli import format_summary
+    from minipic.client.preload.pipeline import preload
 
     extra = {"additional_config": {"minipic": {}}} if minipic_on else {}
     backend = AsyncLLMBackend.start(model=model, **ENGINE_ARGS, **extra)

@@ -8,7 +8,7 @@ computed inside a final prompt (because it missed) gets exactly the KV it
 would get prefilled alone, and whatever lands in the cache under an SSep hash
 is honest, whatever order requests come in.
 
-EPIC link blocks (minipic.client.recipes.epic): the k-th link segment carries the
+EPIC link blocks (minipic.client.prompts.recipes.epic): the k-th link segment carries the
 first block(s) of the k-th span again, computed in context at that span's logical
 positions; every query outside spans then sees the link in place of the span's
 own (solo) head. See `SpanLayout` for the rules.

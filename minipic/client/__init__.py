@@ -7,9 +7,9 @@
     llm.generate(p.vllm_final(), params)     # expect p.expected_cached_tokens hits
 """
 
-from minipic.client.prompt_cache import PromptCache, Text
-from minipic.client.recipes import block_attention, epic, epic_link
-from minipic.client.span_prompt import (
+from minipic.client.prompts.prompt_cache import PromptCache, Text
+from minipic.client.prompts.recipes import block_attention, epic, epic_link
+from minipic.client.prompts.span_prompt import (
     SpanPrompt, SpanPromptError, check_block_size, check_span, make_span, make_task,
     pad_to_block, tokens_prompt,
 )
@@ -20,13 +20,14 @@ __all__ = [
     "pad_to_block", "tokens_prompt",
 ]
 
-# Client tools (this package's other modules): RAG client, ISPS and the barrier
-# strategy, preload manifest, engine backends. `minipic-preload` is preload.py.
-from minipic.client.barrier import BatchedScheduler  # noqa: E402
-from minipic.client.isps import InterleavedScheduler  # noqa: E402
-from minipic.client.manifest import Manifest  # noqa: E402
-from minipic.client.rag_client import DocRef, RagClient  # noqa: E402
-from minipic.client.rag_request import RagRequest, RagResult, SpanPrefillFailed  # noqa: E402
+# The rest of the client, by concern: prompts/ (building span prompts), preload/ (a
+# corpus into the span store; `minipic-preload` is preload/cli.py), rag/ (the RAG
+# client and its schedulers), backends/ (the engines they talk to).
+from minipic.client.rag.barrier import BatchedScheduler  # noqa: E402
+from minipic.client.rag.isps import InterleavedScheduler  # noqa: E402
+from minipic.client.preload.manifest import Manifest  # noqa: E402
+from minipic.client.rag.client import DocRef, RagClient  # noqa: E402
+from minipic.client.rag.request import RagRequest, RagResult, SpanPrefillFailed  # noqa: E402
 
 __all__ += [
     "BatchedScheduler", "DocRef", "InterleavedScheduler", "Manifest", "RagClient", "RagRequest",

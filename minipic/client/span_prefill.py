@@ -15,7 +15,7 @@ import dataclasses
 from typing import Sequence
 
 from minipic.client.backends.base import CompletionBackend
-from minipic.client.document_spans import span_key
+from minipic.client.prompts.document_spans import span_key
 from minipic.protocol import SpanProtocol
 
 

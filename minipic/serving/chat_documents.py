@@ -11,7 +11,7 @@ The header and the rest are vLLM's own rendering of the conversation without the
 documents (chat template, tools, generation prompt, cache_salt all as usual);
 the header is the rendering of the leading system messages alone, which must be
 a token prefix of the whole. Each document is cut into spans exactly as
-`minipic-preload` and `RagClient` cut it (client/document_spans.py: windows of
+`minipic-preload` and `RagClient` cut it (client/prompts/document_spans.py: windows of
 DEFAULT_SPAN_TOKENS, each padded to the engine's block size), so what a preload
 stored is what a chat request hits; the recipe (`epic` by default, links after all spans, or
 `block_attention`) comes from minipic's `recipe` option or, per request, from
@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from minipic.client import SpanPrompt, SpanPromptError, block_attention, epic
-from minipic.client.document_spans import document_spans
-from minipic.client.span_prompt import check_body, to_tokens
+from minipic.client.prompts.document_spans import document_spans
+from minipic.client.prompts.span_prompt import check_body, to_tokens
 from minipic.config import check_recipe
 from minipic.protocol import SpanProtocol
 from minipic.request_errors import MinipicRequestError

@@ -22,7 +22,7 @@ from minipic.serving.chat_documents import (
     RECIPE_XARG, DocumentsRequestError, Render, build_span_prompt, check_fits,
     request_recipe, single_token_input_of, with_tokens,
 )
-from minipic.client.span_prompt import SpanPromptError, to_tokens
+from minipic.client.prompts.span_prompt import SpanPromptError, to_tokens
 from minipic.protocol import SpanProtocol
 
 DOCUMENTS_XARG = "minipic_documents"

@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from minipic.client.backends.base import Completion
-from minipic.client.expected_hits import expected_cached_tokens
+from minipic.client.prompts.expected_hits import expected_cached_tokens
 from minipic.protocol import SpanProtocol
 
 PROTOCOL = SpanProtocol(3, 4, 5, link_token_id=6)

@@ -7,7 +7,7 @@ import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from minipic.client.corpus import CorpusProblem, Document, IgnoredFile, iter_corpus
+from minipic.client.preload.corpus import CorpusProblem, Document, IgnoredFile, iter_corpus
 
 
 def write_corpus(root):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from minipic.client.document_spans import document_spans, span_key, span_window
-from minipic.client.recipes import block_attention
-from minipic.client.span_prompt import SpanPromptError
+from minipic.client.prompts.document_spans import document_spans, span_key, span_window
+from minipic.client.prompts.recipes import block_attention
+from minipic.client.prompts.span_prompt import SpanPromptError
 from minipic.protocol import SpanProtocol
 
 P = SpanProtocol(3, 4, 5)

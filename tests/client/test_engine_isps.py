@@ -15,10 +15,10 @@ import pytest
 from conftest import BLOCK_SIZE, MINIPIC_ON, engine_kwargs
 
 from minipic.client.backends import AsyncLLMBackend
-from minipic.client.barrier import BatchedScheduler
-from minipic.client.isps import InterleavedScheduler
-from minipic.client.rag_request import RagRequest, SpanPrefillFailed
-from minipic.client.recipes import block_attention
+from minipic.client.rag.barrier import BatchedScheduler
+from minipic.client.rag.isps import InterleavedScheduler
+from minipic.client.rag.request import RagRequest, SpanPrefillFailed
+from minipic.client.prompts.recipes import block_attention
 
 pytestmark = pytest.mark.engine
 MAX_MODEL_LEN = 1024

@@ -17,11 +17,11 @@ import pytest
 from conftest import BLOCK_SIZE, engine_kwargs, start_llm, stop_llm
 
 from minipic.client.backends import LLMBackend
-from minipic.client.manifest import NEW, STORED, Manifest
-from minipic.client.preload import main
+from minipic.client.preload.manifest import NEW, STORED, Manifest
+from minipic.client.preload.cli import main
 from minipic.config import connector_config as minipic_connector
-from minipic.client.preloader import preload
-from minipic.client.rag_client import DocRef, RagClient
+from minipic.client.preload.pipeline import preload
+from minipic.client.rag.client import DocRef, RagClient
 
 pytestmark = pytest.mark.engine
 EXAMPLES = Path(__file__).parents[2] / "examples" / "corpus"

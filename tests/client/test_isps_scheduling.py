@@ -8,10 +8,10 @@ import random
 import pytest
 from fake_backend import BLOCK, PROTOCOL, FakeBackend
 
-from minipic.client.barrier import BatchedScheduler
-from minipic.client.isps import InterleavedScheduler
-from minipic.client.rag_request import RagRequest, SpanPrefillFailed
-from minipic.client.recipes import block_attention
+from minipic.client.rag.barrier import BatchedScheduler
+from minipic.client.rag.isps import InterleavedScheduler
+from minipic.client.rag.request import RagRequest, SpanPrefillFailed
+from minipic.client.prompts.recipes import block_attention
 from minipic.client.span_prefill import probe_prompt
 
 POISON = 999  # a word the fake engine refuses

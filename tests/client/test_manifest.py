@@ -7,8 +7,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from minipic.client.corpus import IgnoredFile, iter_corpus
-from minipic.client.manifest import (
+from minipic.client.preload.corpus import IgnoredFile, iter_corpus
+from minipic.client.preload.manifest import (
     NEW, STORED, Manifest, ManifestError, ManifestInfo, SpanRecord,
 )
 from minipic.protocol import SpanProtocol

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minipic.client.preload import main
+from minipic.client.preload.cli import main
 
 
 @pytest.mark.parametrize("argv, message", [

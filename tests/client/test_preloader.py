@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from fake_backend import FakeBackend
 
-from minipic.client.manifest import FAILED, NEW, PENDING, STORED, Manifest
-from minipic.client.preload import format_problems, format_summary
-from minipic.client.preloader import preload
-from minipic.client.rag_client import DocRef, RagClient
+from minipic.client.preload.manifest import FAILED, NEW, PENDING, STORED, Manifest
+from minipic.client.preload.cli import format_problems, format_summary
+from minipic.client.preload.pipeline import preload
+from minipic.client.rag.client import DocRef, RagClient
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "corpus"
 EXAMPLE_IDS = sorted(["books.parquet#tale-of-two-cities", "books.parquet#don-quixote",
@@ -103,7 +103,7 @@ def test_an_interrupted_run_still_writes_its_manifest(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("corpus", ["empty", "mistyped"])
 def test_a_run_that_reads_nothing_keeps_the_manifest(tokenizer, tmp_path, corpus):
-    from minipic.client.preloader import NothingToPreload
+    from minipic.client.preload.pipeline import NothingToPreload
 
     backend, manifest = FakeBackend(tokenizer=tokenizer, delay_s=0), tmp_path / "m.parquet"
     run_preload(EXAMPLES, backend, manifest)
@@ -123,7 +123,7 @@ def test_a_run_over_part_of_a_corpus_adds_to_the_manifest(tokenizer, tmp_path):
 
 
 def test_a_manifest_of_another_layout_is_never_overwritten(tokenizer, tmp_path):
-    from minipic.client.manifest import ManifestError
+    from minipic.client.preload.manifest import ManifestError
 
     backend, manifest = FakeBackend(tokenizer=tokenizer, delay_s=0), tmp_path / "m.parquet"
     run_preload(EXAMPLES, backend, manifest, span_tokens=64)
@@ -154,7 +154,7 @@ def test_a_manifest_that_cannot_be_written_at_the_end_is_reported(tokenizer, tmp
 
 
 def test_spans_longer_than_the_engine_takes_are_refused_up_front(tokenizer, tmp_path):
-    from minipic.client.span_prompt import SpanPromptError
+    from minipic.client.prompts.span_prompt import SpanPromptError
 
     backend = FakeBackend(tokenizer=tokenizer, delay_s=0)
     backend.max_model_len = 64
@@ -196,7 +196,7 @@ def test_rag_client_hits_what_preload_stored(tokenizer, tmp_path):
 
 
 def test_rag_client_refuses_a_manifest_made_for_other_markers(tokenizer, tmp_path):
-    from minipic.client.manifest import ManifestError, ManifestInfo
+    from minipic.client.preload.manifest import ManifestError, ManifestInfo
     from minipic.protocol import SpanProtocol
 
     backend = FakeBackend(tokenizer=tokenizer, delay_s=0)

@@ -16,12 +16,12 @@ import pytest
 from conftest import BLOCK_SIZE, api_server
 
 from minipic.client.backends import OpenAIServerBackend
-from minipic.client.isps import InterleavedScheduler
-from minipic.client.manifest import Manifest
-from minipic.client.preload import main
-from minipic.client.rag_client import DocRef, RagClient
-from minipic.client.rag_request import RagRequest
-from minipic.client.recipes import block_attention
+from minipic.client.rag.isps import InterleavedScheduler
+from minipic.client.preload.manifest import Manifest
+from minipic.client.preload.cli import main
+from minipic.client.rag.client import DocRef, RagClient
+from minipic.client.rag.request import RagRequest
+from minipic.client.prompts.recipes import block_attention
 
 pytestmark = pytest.mark.engine
 EXAMPLES = Path(__file__).parents[2] / "examples" / "corpus"

@@ -18,7 +18,7 @@ from conftest import api_server
 
 from minipic.client.backends import OpenAIServerBackend
 from minipic.client.backends.server_settings import NotAMinipicServerError
-from minipic.client.preload import main
+from minipic.client.preload.cli import main
 
 pytestmark = pytest.mark.engine
 EXAMPLES = Path(__file__).parents[2] / "examples" / "corpus"

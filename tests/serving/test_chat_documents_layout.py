@@ -11,7 +11,7 @@ import pytest
 from conftest import start_llm
 
 from minipic.client import epic
-from minipic.client.document_spans import document_spans
+from minipic.client.prompts.document_spans import document_spans
 from minipic.protocol import SpanProtocol
 from minipic.serving.chat_documents import (
     DocumentsRequestError, build_span_prompt, document_texts, request_recipe,

@@ -31,9 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from minipic.client.document_spans import DEFAULT_SPAN_TOKENS
-from minipic.client.manifest import FAILED, NEW, PENDING, PREFILLED, STORED
-from minipic.client.preloader import PreloadReport, preload
+from minipic.client.prompts.document_spans import DEFAULT_SPAN_TOKENS
+from minipic.client.preload.manifest import FAILED, NEW, PENDING, PREFILLED, STORED
+from minipic.client.preload.pipeline import PreloadReport, preload
 from minipic import __version__
 from minipic.config import connector_config
 from minipic.help_format import DefaultsHelpFormatter

@@ -156,7 +156,7 @@ def _parquet_documents(path: Path, source: str, text_field: str,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from minipic.client.manifest import is_manifest_schema
+    from minipic.client.preload.manifest import is_manifest_schema
 
     try:
         schema = pq.read_schema(path)

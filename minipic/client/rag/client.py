@@ -26,12 +26,12 @@ import time
 from typing import Any, Sequence, Union
 
 from minipic.client.backends.base import CompletionBackend
-from minipic.client.document_spans import DEFAULT_SPAN_TOKENS, document_spans
-from minipic.client.isps import InterleavedScheduler
-from minipic.client.manifest import Manifest, ManifestError
-from minipic.client.rag_request import RagRequest, RagResult
-from minipic.client.recipes import block_attention, epic
-from minipic.client.span_prompt import SpanPrompt, SpanPromptError
+from minipic.client.prompts.document_spans import DEFAULT_SPAN_TOKENS, document_spans
+from minipic.client.rag.isps import InterleavedScheduler
+from minipic.client.preload.manifest import Manifest, ManifestError
+from minipic.client.rag.request import RagRequest, RagResult
+from minipic.client.prompts.recipes import block_attention, epic
+from minipic.client.prompts.span_prompt import SpanPrompt, SpanPromptError
 from minipic.protocol import SpanProtocol
 
 logger = logging.getLogger(__name__)

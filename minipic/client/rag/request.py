@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 
 from minipic.client.backends.base import Completion
 from minipic.client.span_prefill import SpanPrefill
-from minipic.client.span_prompt import SpanPrompt
+from minipic.client.prompts.span_prompt import SpanPrompt
 
 _numbers = itertools.count()
 

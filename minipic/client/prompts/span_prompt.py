@@ -160,7 +160,7 @@ class SpanPrompt:
     @classmethod
     def build(cls, span_prefills: Sequence[Sequence[int]], final: Sequence[int],
               protocol: SpanProtocol, block_size: int) -> "SpanPrompt":
-        from minipic.client.expected_hits import expected_cached_tokens
+        from minipic.client.prompts.expected_hits import expected_cached_tokens
 
         # A span used twice needs one prefill; keep first-use order.
         unique = list(dict.fromkeys(tuple(p) for p in span_prefills))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from minipic.client.span_prompt import (
+from minipic.client.prompts.span_prompt import (
     SpanPrompt, SpanPromptError, TextOrTokens, bos_of, check_block_size, make_header,
     make_task, span_from, to_tokens,
 )

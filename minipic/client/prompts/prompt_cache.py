@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from minipic.client.span_prompt import (
+from minipic.client.prompts.span_prompt import (
     SpanPrompt, SpanPromptError, TextOrTokens, bos_of, check_block_size, check_body,
     make_header, make_task, pad_to_block, span_from, to_tokens,
 )

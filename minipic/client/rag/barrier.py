@@ -15,8 +15,8 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Iterable, TypeVar
 
 from minipic.client.backends.base import CompletionBackend
-from minipic.client.document_spans import span_key
-from minipic.client.rag_request import (
+from minipic.client.prompts.document_spans import span_key
+from minipic.client.rag.request import (
     RagRequest, RagResult, SpanPrefillFailed, iterate_requests,
 )
 from minipic.client.span_prefill import SpanPrefill, prefill_span

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Sequence
 
-from minipic.client.span_prompt import SpanPromptError, check_block_size, make_span, to_tokens
+from minipic.client.prompts.span_prompt import SpanPromptError, check_block_size, make_span, to_tokens
 from minipic.protocol import SpanProtocol
 
 DEFAULT_SPAN_TOKENS = 512

@@ -27,13 +27,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from minipic.client.backends.base import CompletionBackend
-from minipic.client.corpus import CorpusProblem, Document, IgnoredFile, iter_corpus
-from minipic.client.document_spans import DEFAULT_SPAN_TOKENS, document_spans, span_key, span_window
-from minipic.client.manifest import (
+from minipic.client.preload.corpus import CorpusProblem, Document, IgnoredFile, iter_corpus
+from minipic.client.prompts.document_spans import DEFAULT_SPAN_TOKENS, document_spans, span_key, span_window
+from minipic.client.preload.manifest import (
     FAILED, NEW, PENDING, PREFILLED, STORED, Manifest, ManifestError, ManifestInfo, SpanRecord,
 )
 from minipic.client.span_prefill import SpanPrefill, prefill_span
-from minipic.client.span_prompt import SpanPromptError
+from minipic.client.prompts.span_prompt import SpanPromptError
 
 
 @dataclasses.dataclass
