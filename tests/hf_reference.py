@@ -64,6 +64,21 @@ def epic_mask_and_positions(header: int, spans: list[int], links: list[int], tas
     return allowed, positions
 
 
+def quiet_taking_no_room(tokens: list[int], allowed: torch.Tensor, positions: torch.Tensor,
+                         quiet_ids: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """minipic's mask_markers on a (mask, positions) layout: marker and padding keys are
+    seen by their own query only, and take no room: every token stands as many positions
+    earlier as there are such tokens at earlier positions among what the last token
+    sees (a span head its link replaces is not seen)."""
+    n = len(tokens)
+    quiet = torch.tensor([t in quiet_ids for t in tokens])
+    seen = allowed[n - 1].clone()
+    seen[n - 1] = True
+    hidden_positions = positions[seen & quiet]
+    moved = positions - (hidden_positions[None, :] < positions[:, None]).sum(dim=1)
+    return allowed & (~quiet[None, :] | torch.eye(n, dtype=torch.bool)), moved
+
+
 class BlockAttentionReference:
     def __init__(self, model_dir: str):
         from transformers import AutoModelForCausalLM

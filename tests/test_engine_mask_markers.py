@@ -1,13 +1,18 @@
-"""minipic's mask_markers option on a real engine: marker and padding keys hidden."""
+"""minipic's mask_markers option on a real engine: marker and padding keys hidden, and
+taking no room (every token stands as many positions earlier as there are such tokens
+before it), for Block-Attention and EPIC prompts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import start_llm, stop_llm
-from hf_reference import BlockAttentionReference, block_mask
+from conftest import BLOCK_SIZE, start_llm, stop_llm
+from hf_reference import (
+    BlockAttentionReference, block_mask, epic_mask_and_positions, quiet_taking_no_room,
+)
 from test_engine_spans import (
-    DOCS, LOGPROB_ATOL, STEPS, assert_same_output, build, generate, prefill, split_final, words,
+    DOCS, EPIC_DOCS, LOGPROB_ATOL, STEPS, assert_same_output, build, epic_prompt,
+    generate, prefill, split_final, words,
 )
 
 from minipic.protocol import SpanProtocol
@@ -22,25 +27,52 @@ def llm(tiny_model):
     stop_llm(llm)
 
 
-def quiet_reference(reference, prompt, protocol) -> tuple[list[int], list[float]]:
-    """Block-Attention's mask, less every marker and padding key (each still sees itself)."""
-    spans, task = split_final(prompt, protocol)
-    allowed = block_mask([len(s) for s in spans], len(prompt.final))
-    quiet = torch.tensor([t in protocol.markers | {protocol.pad_token_id} for t in prompt.final])
-    allowed &= ~quiet[None, :] | torch.eye(len(prompt.final), dtype=torch.bool)
-    return reference.greedy_masked(prompt.final, allowed, torch.arange(len(prompt.final)), STEPS)
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return BlockAttentionReference(tiny_model)
 
 
-def test_marker_and_pad_keys_are_hidden(llm, tiny_model):
+def quiet_reference(reference, prompt, protocol, allowed, positions, no_room=True):
+    quiet_ids = protocol.markers | {protocol.pad_token_id}
+    moved_allowed, moved = quiet_taking_no_room(prompt.final, allowed, positions, quiet_ids)
+    return reference.greedy_masked(prompt.final, moved_allowed, moved if no_room else positions,
+                                   STEPS)
+
+
+def test_block_attention_markers_and_padding_hidden_and_taking_no_room(llm, reference):
     protocol = SpanProtocol.from_tokenizer(llm.get_tokenizer())
-    reference = BlockAttentionReference(tiny_model)
     prompt = build(protocol, docs=[DOCS[1], DOCS[0]], task=words(9, 60))
     prefill(llm, prompt)
     [out] = generate(llm, [prompt.vllm_final()])
     assert out.num_cached_tokens == prompt.expected_cached_tokens
-    tokens, logprobs = quiet_reference(reference, prompt, protocol)
-    assert_same_output(out, tokens, logprobs)
-    # Guard: the masked reference differs from plain Block-Attention.
     spans, task = split_final(prompt, protocol)
+    allowed = block_mask([len(s) for s in spans], len(prompt.final))
+    positions = torch.arange(len(prompt.final))
+    tokens, logprobs = quiet_reference(reference, prompt, protocol, allowed, positions)
+    assert_same_output(out, tokens, logprobs)
+    # Guards: hidden but taking room, and plain Block-Attention, give other logprobs.
+    _, taking_room = quiet_reference(reference, prompt, protocol, allowed, positions,
+                                     no_room=False)
     _, unmasked = reference.greedy(spans, task, STEPS)
-    assert max(abs(a - b) for a, b in zip(logprobs, unmasked)) > 10 * LOGPROB_ATOL
+    for other in (taking_room, unmasked):
+        assert max(abs(a - b) for a, b in zip(logprobs, other)) > 10 * LOGPROB_ATOL
+
+
+def test_epic_markers_and_padding_hidden_and_taking_no_room(llm, reference):
+    """EPIC's links, spans and task in one logical sequence without markers and padding:
+    every document tail hits, and the answer is the reference's."""
+    protocol = SpanProtocol.from_tokenizer(llm.get_tokenizer())
+    prompt = epic_prompt(protocol)
+    prefill(llm, prompt)
+    [out] = generate(llm, [prompt.vllm_final()])
+    assert out.num_cached_tokens == prompt.expected_cached_tokens
+    header = len(prompt.span_prefills[0])
+    spans = [len(s) for s in prompt.span_prefills[1:1 + len(EPIC_DOCS)]]
+    links = [min(n, BLOCK_SIZE) for n in spans]
+    task = len(prompt.final) - header - sum(spans) - sum(links)
+    allowed, positions = epic_mask_and_positions(header, spans, links, task)
+    tokens, logprobs = quiet_reference(reference, prompt, protocol, allowed, positions)
+    assert_same_output(out, tokens, logprobs)
+    _, taking_room = quiet_reference(reference, prompt, protocol, allowed, positions,
+                                     no_room=False)
+    assert max(abs(a - b) for a, b in zip(logprobs, taking_room)) > 10 * LOGPROB_ATOL

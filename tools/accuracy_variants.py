@@ -18,6 +18,11 @@ Variants:
                    right after it, then reused anywhere): each span query also sees a
                    copy of the header, placed so that its distance to the span is the one
                    a prefill of [header][document] gives
+  ..._quiet        (after any layout but stock) marker and padding keys hidden from every
+                   query but their own (minipic's `mask_markers`)
+  ..._noroom       the same, and markers and padding take no room: every token stands
+                   as many positions earlier as there are hidden tokens before it in the
+                   sequence the task sees
 
     python tools/accuracy_variants.py --questions 100 --variants stock,epic1,epic1_header
 """
@@ -98,19 +103,46 @@ def with_header_copies(base: Layout, layout) -> Layout:
     return Layout(tokens, allowed, positions)
 
 
+def quiet(built: Layout, protocol: SpanProtocol, no_room: bool) -> Layout:
+    """Marker and padding keys hidden from every query but their own; with `no_room`
+    every token also stands as many positions earlier as there are hidden tokens before
+    its position in the sequence the last token sees (links in place of span heads)."""
+    hidden = torch.tensor([t in protocol.markers | {protocol.pad_token_id}
+                           for t in built.tokens])
+    n = len(built.tokens)
+    allowed = built.allowed & (~hidden[None, :] | torch.eye(n, dtype=torch.bool))
+    positions = built.positions
+    if no_room:
+        seen = built.allowed[n - 1].clone()
+        seen[n - 1] = True
+        hidden_positions = built.positions[seen & hidden]
+        positions = positions - (hidden_positions[None, :] < positions[:, None]).sum(dim=1)
+    return Layout(built.tokens, allowed, positions)
+
+
 def build(variant: str, question, tokenizer, protocol: SpanProtocol) -> Layout:
     header, docs, task = chat_parts(tokenizer, question)
-    if variant == "stock":
+    base_name, *modifiers = variant.split("_")
+    if base_name == "layout":  # layout_causal
+        base_name, modifiers = "layout_causal", modifiers[1:]
+    elif base_name == "block":  # block_attention
+        base_name, modifiers = "block_attention", modifiers[1:]
+    if base_name == "stock":
         return causal(encode(tokenizer, header) + [t for d in docs for t in encode(tokenizer, d)]
                       + encode(tokenizer, task))
-    recipe = block_attention if variant in ("layout_causal", "block_attention") else \
-        functools.partial(epic, recompute_blocks=int(variant[4:].split("_")[0]))
+    recipe = block_attention if base_name in ("layout_causal", "block_attention") else \
+        functools.partial(epic, recompute_blocks=int(base_name[4:]))
     prompt = recipe(docs, task, protocol=protocol, block_size=BLOCK, system=header,
                     tokenizer=tokenizer)
-    if variant == "layout_causal":
-        return causal(prompt.final)
-    base, layout = minipic_layout(prompt.final, protocol)
-    return with_header_copies(base, layout) if variant.endswith("_header") else base
+    if base_name == "layout_causal":
+        built = causal(prompt.final)
+    else:
+        built, layout = minipic_layout(prompt.final, protocol)
+        if "header" in modifiers:
+            built = with_header_copies(built, layout)
+    if "quiet" in modifiers or "noroom" in modifiers:
+        built = quiet(built, protocol, no_room="noroom" in modifiers)
+    return built
 
 
 @torch.no_grad()

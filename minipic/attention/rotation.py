@@ -16,7 +16,11 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     `pure` divides out a scale the table folds into its rows (see turn_back).
     """
     x = x.float()
-    cos, sin = cos_sin.index_select(0, positions.long()).float().chunk(2, dim=-1)
+    positions = positions.long()
+    cos, sin = cos_sin.index_select(0, positions.abs()).float().chunk(2, dim=-1)
+    # R(-p) = (cos p, -sin p): a negative position turns the other way (mask_markers reads
+    # a span at the prompt's start from one position before it, see span_layout).
+    sin = torch.where((positions < 0)[:, None], -sin, sin)
     if pure:
         scale = cos_sin[0, : cos.shape[-1]].float()  # row 0 is (a, 0): a = 1 without mscale
         cos, sin = cos / scale, sin / scale

@@ -116,9 +116,14 @@ class SpanLayout:
     frame_offset: torch.Tensor
     links_end: torch.Tensor | None = None  # [reqs] int32; None: zeros (no links)
     link_tokens: torch.Tensor | None = None
-    # [reqs, tokens] bool, with mask_markers only: marker and padding keys of the
-    # prompt, which no query but their own sees.
+    # With mask_markers only (CPU), [reqs, tokens]: marker and padding keys, which no
+    # query but their own sees (quiet), and where every token stands when markers and
+    # padding take no room (logical, see logical_positions); [reqs, blocks]: how far
+    # each block's stored keys are turned forward when read (read_offset; None: by
+    # frame_offset).
     quiet: torch.Tensor | None = None
+    logical: torch.Tensor | None = None
+    read_offset: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows = self.span_of.shape[0]
@@ -130,7 +135,7 @@ class SpanLayout:
     def to(self, device: torch.device | str) -> "SpanLayout":
         moved = [None if t is None else t.to(device) for t in (
             self.span_of, self.context_pos, self.shift, self.frame_offset, self.links_end,
-            self.link_tokens, self.quiet)]
+            self.link_tokens, self.quiet, self.logical, self.read_offset)]
         return SpanLayout(*moved)
 
     def has_links(self) -> bool:
@@ -236,8 +241,45 @@ def current_layout(num_reqs: int, block_size: int) -> SpanLayout | None:
     tokens, prompt_lens = found
     layout = span_layout(tokens[:, ::block_size], _protocol, block_size, prompt_lens)
     if _mask_markers:
-        layout.quiet = quiet_keys(tokens, _protocol)
+        take_no_room(layout, quiet_keys(tokens, _protocol), block_size)
     return layout
+
+
+def take_no_room(layout: SpanLayout, quiet: torch.Tensor, block_size: int) -> None:
+    """mask_markers: marker and padding keys hidden from every query but their own, and
+    taking no room. Every token stands as many positions earlier as there are quiet
+    tokens before it in the sequence the task sees (layout.logical); a span's keys, kept
+    in its frame, are turned forward to where its first body token stands, less one for
+    its SSep (layout.read_offset). Links take no room through the same positions, so the
+    torch backend's second score for keys before the links is not needed."""
+    layout.quiet = quiet
+    layout.logical = logical_positions(layout, quiet, block_size)
+    starts = (layout.span_of.clamp(min=0) * block_size + 1).long()
+    body = layout.logical.gather(1, starts.clamp(max=quiet.shape[1] - 1))
+    layout.read_offset = torch.where(layout.span_of >= 0, body - 1, 0).to(torch.int32)
+
+
+def logical_positions(layout: SpanLayout, quiet: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[reqs, tokens]: each token's position when quiet tokens take no room.
+
+    Starts from the positions the layout gives (a link token at the head it carries, a
+    token past the links link_tokens earlier) and subtracts the quiet tokens at earlier
+    positions among those the task sees (a span head replaced by its link is not seen;
+    it stands where its link stands, so it counts as its link does)."""
+    reqs, n = quiet.shape
+    index = torch.arange(n, device=quiet.device).expand(reqs, -1)
+    block = index // block_size
+    in_span = layout.span_of.gather(1, block) >= 0
+    past_links = (index >= layout.links_end[:, None]) & ~in_span \
+        & (layout.links_end[:, None] > 0)
+    base = index - layout.shift.gather(1, block) \
+        - torch.where(past_links, layout.link_tokens[:, None], 0)
+    seen = layout.context_pos.gather(1, block) != HIDDEN
+    logical = torch.empty_like(base)
+    for r in range(reqs):
+        counted = base[r][seen[r] & quiet[r]].sort().values
+        logical[r] = base[r] - torch.searchsorted(counted, base[r])  # quiet ones before
+    return logical.to(torch.int32)
 
 
 def per_query_token(table: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
@@ -258,7 +300,11 @@ def per_query_token(table: torch.Tensor, query_start_loc: list[int], seq_lens: l
 
 def token_shifts(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
                  block_size: int) -> torch.Tensor | None:
-    """Per token of the batch, its link shift (see SpanLayout); None when all are 0."""
+    """Per token of the batch, how far its Q is turned back: its link shift (see
+    SpanLayout), or with mask_markers to its logical position; None when all are 0."""
+    if layout.logical is not None:
+        return _per_token_turn(_index(layout.logical) - layout.logical, query_start_loc,
+                               seq_lens)
     if not layout.has_links():
         return None
     return per_query_token(layout.shift, query_start_loc, seq_lens, block_size)
@@ -267,17 +313,35 @@ def token_shifts(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[
 def key_turn_backs(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
                    block_size: int) -> torch.Tensor | None:
     """Per token of the batch, how far its K is turned back before the cache write
-    (frame_offset + shift, see SpanLayout); None when all are 0."""
+    (frame_offset + shift, see SpanLayout; with mask_markers a key outside spans goes to
+    its logical position); None when all are 0."""
+    if layout.logical is not None:
+        index = _index(layout.logical)
+        block = index // block_size
+        turn = torch.where(layout.span_of.gather(1, block) >= 0,
+                           layout.frame_offset.gather(1, block), index - layout.logical)
+        return _per_token_turn(turn, query_start_loc, seq_lens)
     turn = layout.frame_offset + layout.shift
     if not bool(turn.any()):
         return None
     return per_query_token(turn, query_start_loc, seq_lens, block_size)
 
 
+def _index(per_token: torch.Tensor) -> torch.Tensor:
+    return torch.arange(per_token.shape[1], device=per_token.device).expand_as(per_token)
+
+
+def _per_token_turn(turn: torch.Tensor, query_start_loc: list[int],
+                    seq_lens: list[int]) -> torch.Tensor | None:
+    found = per_query_token(turn, query_start_loc, seq_lens, 1)
+    return found if bool(found.any()) else None
+
+
 def key_frame_offsets(layout: SpanLayout, row: int, seq_len: int, block_size: int) -> torch.Tensor:
     """[seq_len]: how far request `row`'s stored keys are turned forward when read."""
-    key_block = torch.arange(seq_len, device=layout.frame_offset.device) // block_size
-    return layout.frame_offset[row, key_block]
+    table = layout.frame_offset if layout.read_offset is None else layout.read_offset
+    key_block = torch.arange(seq_len, device=table.device) // block_size
+    return table[row, key_block]
 
 
 def visible_keys(layout: SpanLayout, row: int, seq_len: int, num_queries: int,

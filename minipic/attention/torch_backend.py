@@ -73,8 +73,9 @@ class MiniPICTorchMetadata:
 
     def __post_init__(self) -> None:
         if self.layout is not None:
-            self.links = list(zip(self.layout.links_end.tolist(),
-                                  self.layout.link_tokens.tolist()))
+            # With mask_markers every query stands at its logical position already.
+            self.links = None if self.layout.logical is not None else list(zip(
+                self.layout.links_end.tolist(), self.layout.link_tokens.tolist()))
             self.key_frames = [key_frame_offsets(self.layout, i, n, self.block_size)
                                for i, n in enumerate(self.seq_lens)]
 
