@@ -122,3 +122,33 @@ def test_turning_back_is_a_pure_rotation_with_a_scaled_table():
     pos = torch.tensor([3, 9, 17, 30, 40])
     back = turn_back(rotate(x, pos, table, 8, True), pos, table, 8, True)
     assert torch.allclose(back, 1.3 * x, atol=1e-5)
+
+
+def test_quiet_tokens_take_no_room():
+    """mask_markers: header [1 9 pad pad], span [SSep 9 9 pad], task [PDep 9 9 9] (blocks of
+    4): the real tokens stand at 0..6, as in the plain prompt [1 9][9 9][9 9 9]."""
+    from minipic.attention.span_layout import quiet_keys, take_no_room
+
+    tokens = torch.tensor([[1, 9, 5, 5, 3, 9, 9, 5, 4, 9, 9, 9]])
+    found = layout(tokens[0, ::4].tolist(), block_size=4)
+    take_no_room(found, quiet_keys(tokens, P), 4)
+    real = ~found.quiet[0]
+    assert found.logical[0][real].tolist() == [0, 1, 2, 3, 4, 5, 6]
+    # the span, stored relative to its SSep, is read from one before its first body token
+    assert found.read_offset.tolist() == [[0, 1, 0]]
+
+
+def test_quiet_tokens_and_links_take_no_room_together():
+    """EPIC, blocks of 4: header [1 9 pad pad], span [SSep 9 9 9][9 pad pad pad], link
+    [L 9 9 9], task [PDep 9 9 9]: the link stands at its span's head, the tail after it,
+    the task after the tail, every marker and pad taking no room."""
+    from minipic.attention.span_layout import quiet_keys, take_no_room
+
+    tokens = torch.tensor([[1, 9, 5, 5, 3, 9, 9, 9, 9, 5, 5, 5, 6, 9, 9, 9, 4, 9, 9, 9]])
+    found = layout(tokens[0, ::4].tolist(), block_size=4)
+    take_no_room(found, quiet_keys(tokens, P), 4)
+    logical = found.logical[0]
+    assert logical[13:16].tolist() == [2, 3, 4]  # the link's body: the span head's place
+    assert logical[8].tolist() == 5  # the tail's token
+    assert logical[17:20].tolist() == [6, 7, 8]  # the task right after it
+    assert logical[5:8].tolist() == [2, 3, 4]  # the solo head shares its link's places

@@ -65,9 +65,10 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any, connector_cls: Any) -> dic
     env_layout = os.environ.get("VLLM_KV_CACHE_LAYOUT")
     if env_layout:
         layout["env_kv_cache_layout"] = env_layout
-    # Hidden marker keys change every later key's value: only when set, as above.
+    # Hidden marker keys, taking no room, change every later key's value: only when set,
+    # as above (stores of the earlier "hidden, taking room" option had True here).
     if mask_markers(vllm_config):
-        layout["mask_markers"] = True
+        layout["mask_markers"] = "hidden, taking no room"
     return layout
 
 
