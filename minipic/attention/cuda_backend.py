@@ -269,8 +269,10 @@ def _host_extents(m) -> tuple[list[int], list[int]]:
     """Per request query start locations and sequence lengths, as host lists (the
     metadata's CPU copies: this runs for batches with markers only)."""
     query_start_loc = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
-    seq_lens_cpu = getattr(m, "seq_lens_cpu", None)  # a property on vLLM 0.25
-    seq_lens = (m.seq_lens if seq_lens_cpu is None else seq_lens_cpu)[: m.num_reqs].tolist()
+    # vLLM 0.25's host copy, exact but for async speculative decoding (refused); without it
+    # the device lengths are read back (a sync; the deprecated seq_lens_cpu does the same).
+    bound = getattr(m, "seq_lens_cpu_upper_bound", None)
+    seq_lens = (m.seq_lens.cpu() if bound is None else bound)[: m.num_reqs].tolist()
     return query_start_loc, seq_lens
 
 
