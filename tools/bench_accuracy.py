@@ -191,7 +191,10 @@ def run_method(args) -> None:
     todo = [(q, pr) for q, pr in zip(questions, prompts) if q.id not in done]
     llm = LLM(**engine_config(args.method, args.model, args.block_size, args.topk, options))
     started = time.monotonic()
-    with gzip.open(partial, "at" if args.resume else "wt") as out:
+    kept = read_records(partial) if args.resume else []
+    with gzip.open(partial, "wt") as out:  # a cut member from a kill is not appended to
+        for record in kept:
+            out.write(json.dumps(record) + "\n")
         for lo in range(0, len(todo), args.batch):
             batch = todo[lo:lo + args.batch]
             for record in answer_batch(llm, tokenizer, batch, args.topk):
@@ -380,27 +383,40 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     data = path.read_bytes()
-    text = _gunzip_prefix(data) if path.suffix == ".gz" else data
+    texts = _gunzip_members(data) if path.suffix == ".gz" else [data]
     records = []
-    for line in text.decode(errors="replace").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+    for text in texts:
+        for line in text.decode(errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a kill ends what this member holds
     return records
 
 
-def _gunzip_prefix(data: bytes) -> bytes:
-    """Everything the gzip members in `data` decode to, up to where a stream was cut (each
-    --resume appends a member; the writer flushes after every batch)."""
-    out = []
-    while data:
+def _gunzip_members(data: bytes) -> list[bytes]:
+    """What each gzip member in `data` decodes to, up to where it was cut. Each --resume
+    appends a member; a member a kill cut short is followed by the next run's, so after
+    a cut the next member is looked for at the next gzip header."""
+    out, start = [], 0
+    while start < len(data):
         member = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        out.append(member.decompress(data))
-        if not member.eof:
-            break
-        data = member.unused_data
-    return b"".join(out)
+        decoded, pos = [], start
+        try:
+            while pos < len(data) and not member.eof:
+                decoded.append(member.decompress(data[pos:pos + 4096]))
+                pos += 4096
+        except zlib.error:
+            pass
+        out.append(b"".join(decoded))
+        if member.eof:
+            start = len(data) - len(member.unused_data)
+        else:
+            found = data.find(b"\x1f\x8b\x08", start + 1)
+            if found < 0:
+                break
+            start = found
+    return out
 
 
 def run_child(args, method: str, records: Path) -> None:
