@@ -402,12 +402,19 @@ def _gunzip_members(data: bytes) -> list[bytes]:
     while start < len(data):
         member = zlib.decompressobj(16 + zlib.MAX_WBITS)
         decoded, pos = [], start
-        try:
-            while pos < len(data) and not member.eof:
-                decoded.append(member.decompress(data[pos:pos + 4096]))
-                pos += 4096
-        except zlib.error:
-            pass
+        while pos < len(data) and not member.eof:
+            chunk, saved = data[pos:pos + 4096], member.copy()
+            try:
+                decoded.append(member.decompress(chunk))
+                pos += len(chunk)
+            except zlib.error:  # the cut: keep what decodes before it, byte by byte
+                member = saved
+                for i in range(len(chunk)):
+                    try:
+                        decoded.append(member.decompress(chunk[i:i + 1]))
+                    except zlib.error:
+                        break
+                break
         out.append(b"".join(decoded))
         if member.eof:
             start = len(data) - len(member.unused_data)

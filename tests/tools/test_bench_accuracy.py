@@ -127,3 +127,19 @@ def test_report_only_compares_methods_on_the_questions_both_answered(tmp_path):
     assert summary["meta"]["questions"] == 4 and summary["meta"]["asked"] == 6
     assert summary["methods"]["stock"]["exact_match"] == 0.5
     assert summary["methods"]["epic"]["exact_match"] == 1.0
+
+
+def test_records_after_a_cut_member_are_read(tmp_path):
+    """A run killed mid-stream, then resumed by an older writer that appended a new gzip
+    member after the cut one: both runs' whole records are read."""
+    path = tmp_path / "records-epic.partial.jsonl.gz"
+    with gzip.open(path, "wt") as out:
+        for i in range(4):
+            out.write(json.dumps(_record(i, True)) + "\n")
+            out.flush()
+            if i == 2:
+                three = path.stat().st_size
+    path.write_bytes(path.read_bytes()[:three + 4])  # the kill cut record 3
+    with gzip.open(path, "at") as out:  # the resumed run's member
+        out.write("".join(json.dumps(_record(i, True)) + "\n" for i in range(3, 6)))
+    assert [r["id"] for r in bench_accuracy.read_records(path)] == [0, 1, 2, 3, 4, 5]
