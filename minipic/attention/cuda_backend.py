@@ -86,7 +86,7 @@ class SpanBatchBuilder:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
         layout = current_layout(m.num_reqs, self.block_size)
-        if layout is not None and getattr(layout, "quiet", None) is not None:
+        if layout is not None and layout.quiet is not None:
             raise UnsupportedAttentionError(
                 "mask_markers is not implemented in minipic's CUDA attention")
         has_spans = layout is not None and not layout.is_plain()
@@ -180,6 +180,31 @@ class SpanBatchImpl:
         return self._cos_sin
 
 
+class SpanBackend(PositionFreeTraits):
+    """Mixed in before a vLLM backend: minipic's impl and builder for it, under the
+    registry slot minipic registers (CUSTOM)."""
+
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(_SUPPORTED_KV_CACHE_DTYPES)
+    impl_cls: ClassVar[type]
+    builder_cls: ClassVar[type]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @classmethod
+    def get_impl_cls(cls) -> type:
+        return cls.impl_cls
+
+    @classmethod
+    def get_builder_cls(cls) -> type:
+        return cls.builder_cls
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False  # span batches: the kernel's launch shape depends on the batch
+
+
 class MiniPICFlashMetadataBuilder(SpanBatchBuilder, FlashAttentionMetadataBuilder):
     pass
 
@@ -188,26 +213,10 @@ class MiniPICFlashImpl(SpanBatchImpl, FlashAttentionImpl):
     pass
 
 
-class MiniPICFlashBackend(PositionFreeTraits, FlashAttentionBackend):
+class MiniPICFlashBackend(SpanBackend, FlashAttentionBackend):
     """fp16/bf16 models on GPUs FlashAttention supports."""
 
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(_SUPPORTED_KV_CACHE_DTYPES)
-
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"  # the registry slot minipic registers this class under
-
-    @staticmethod
-    def get_impl_cls() -> type[MiniPICFlashImpl]:
-        return MiniPICFlashImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[MiniPICFlashMetadataBuilder]:
-        return MiniPICFlashMetadataBuilder
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return False  # span batches: the kernel's launch shape depends on the batch
+    impl_cls, builder_cls = MiniPICFlashImpl, MiniPICFlashMetadataBuilder
 
 
 class MiniPICTritonMetadataBuilder(SpanBatchBuilder, TritonAttentionMetadataBuilder):
@@ -218,27 +227,11 @@ class MiniPICTritonImpl(SpanBatchImpl, TritonAttentionImpl):
     pass
 
 
-class MiniPICTritonBackend(PositionFreeTraits, TritonAttentionBackend):
+class MiniPICTritonBackend(SpanBackend, TritonAttentionBackend):
     """Models or GPUs FlashAttention does not serve (fp32, compute capability < 8.0)."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(_SUPPORTED_KV_CACHE_DTYPES)
-
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"
-
-    @staticmethod
-    def get_impl_cls() -> type[MiniPICTritonImpl]:
-        return MiniPICTritonImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[MiniPICTritonMetadataBuilder]:
-        return MiniPICTritonMetadataBuilder
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return False
+    impl_cls, builder_cls = MiniPICTritonImpl, MiniPICTritonMetadataBuilder
 
 
 def flash_attention_serves(head_size: int, dtype: torch.dtype) -> bool:
