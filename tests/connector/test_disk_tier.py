@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 
 from minipic.connector.scheduler.disk_tier import MiniPICDiskTier  # noqa: E402
 from minipic.connector.scheduler.span_heads import SpanHeads, span_head_keys  # noqa: E402
-from minipic.connector.store import block_file  # noqa: E402
+from minipic.connector.store import block_file, eviction  # noqa: E402
 from minipic.connector.store.namespace import FORMAT_VERSION  # noqa: E402
 from minipic.connector.store.stats import scan_store  # noqa: E402
 
@@ -499,6 +499,23 @@ def test_counters_reach_the_disk_within_seconds(tmp_path):
     _until(lambda: scan_store(tmp_path / "store")[0].counters["stored_blocks"] == 2)
     assert time.monotonic() - started < 5
     h.tier.shutdown()
+
+
+def test_shutdown_waits_for_a_running_eviction(tmp_path, monkeypatch):
+    """The CLI's `store evict` right after an engine stopped used to find the lock
+    still held by the engine's eviction thread ("another process is evicting")."""
+    scan = eviction.iter_blocks
+
+    def slow_scan(root):
+        time.sleep(0.5)  # a store on a slow disk
+        return scan(root)
+
+    monkeypatch.setattr(eviction, "iter_blocks", slow_scan)
+    h = Harness(tmp_path / "store", max_bytes=10 * (block_file.HEADER_LEN + ROW))
+    h.tier.open(FIELDS)  # starts an eviction: the store may be over its limit
+    h.tier.shutdown()
+    monkeypatch.setattr(eviction, "iter_blocks", scan)
+    assert eviction.evict_lru(tmp_path / "store", 0).ran
 
 
 def test_every_eviction_is_counted(tmp_path):

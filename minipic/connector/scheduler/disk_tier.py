@@ -134,6 +134,7 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._jobs: dict[int, _Job] = {}
         self._bytes_since_eviction = 0
         self._evicting = threading.Lock()
+        self._evictor: threading.Thread | None = None
         self._other_counters: dict[Path, ProcessCounters] = {}  # evictions in other namespaces
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -405,7 +406,8 @@ class MiniPICDiskTier(SecondaryTierManager):
         if self.max_bytes is None or not self._evicting.acquire(blocking=False):
             return
         self._bytes_since_eviction = 0
-        threading.Thread(target=self._evict, name="minipic_evict", daemon=True).start()
+        self._evictor = threading.Thread(target=self._evict, name="minipic_evict", daemon=True)
+        self._evictor.start()
 
     def _evict(self) -> None:
         try:
@@ -499,8 +501,11 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._pool.shutdown(wait=True)
         if self._readers is not None:
             self._readers.close()
-        if self._watcher is not None:
-            self._watcher.join(timeout=10)  # a hung mount must not hang shutdown
+        # A running eviction holds the store's eviction lock and adds to the counters
+        # flushed below: let it finish, so that neither is left behind by this process.
+        for thread in (self._watcher, self._evictor):
+            if thread is not None:
+                thread.join(timeout=10)  # a hung mount must not hang shutdown
         for counters in (self.counters, *self._other_counters.values()):
             counters.maybe_flush(force=True)
         # Our byte view pins the CPU tier's mmap: release it so the tier can close it.
