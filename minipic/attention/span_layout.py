@@ -307,7 +307,7 @@ def token_shifts(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[
                                seq_lens)
     if not layout.has_links():
         return None
-    return per_query_token(layout.shift, query_start_loc, seq_lens, block_size)
+    return _nonzero(per_query_token(layout.shift, query_start_loc, seq_lens, block_size))
 
 
 def key_turn_backs(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
@@ -321,10 +321,10 @@ def key_turn_backs(layout: SpanLayout, query_start_loc: list[int], seq_lens: lis
         turn = torch.where(layout.span_of.gather(1, block) >= 0,
                            layout.frame_offset.gather(1, block), index - layout.logical)
         return _per_token_turn(turn, query_start_loc, seq_lens)
+    # The batch's own tokens decide, not the table: a task after cached spans has spans
+    # turned in the table but nothing to turn itself (every layer would rotate by 0).
     turn = layout.frame_offset + layout.shift
-    if not bool(turn.any()):
-        return None
-    return per_query_token(turn, query_start_loc, seq_lens, block_size)
+    return _nonzero(per_query_token(turn, query_start_loc, seq_lens, block_size))
 
 
 def _index(per_token: torch.Tensor) -> torch.Tensor:
@@ -333,8 +333,13 @@ def _index(per_token: torch.Tensor) -> torch.Tensor:
 
 def _per_token_turn(turn: torch.Tensor, query_start_loc: list[int],
                     seq_lens: list[int]) -> torch.Tensor | None:
-    found = per_query_token(turn, query_start_loc, seq_lens, 1)
-    return found if bool(found.any()) else None
+    return _nonzero(per_query_token(turn, query_start_loc, seq_lens, 1))
+
+
+def _nonzero(turns: torch.Tensor) -> torch.Tensor | None:
+    """`turns`, or None when all are 0: the layers then skip the rotation.
+    Layouts are built on the host, so the check reads no device memory."""
+    return turns if bool(turns.any()) else None
 
 
 def key_frame_offsets(layout: SpanLayout, row: int, seq_len: int, block_size: int) -> torch.Tensor:

@@ -152,3 +152,20 @@ def test_quiet_tokens_and_links_take_no_room_together():
     assert logical[8].tolist() == 5  # the tail's token
     assert logical[17:20].tolist() == [6, 7, 8]  # the task right after it
     assert logical[5:8].tolist() == [2, 3, 4]  # the solo head shares its link's places
+
+
+def test_only_the_batchs_own_tokens_decide_whether_keys_turn():
+    """A task computed after cached spans (a span hit) has nothing to turn: the span
+    frames in the table are the cached keys'. It used to rotate every layer by 0."""
+    from minipic.attention.span_layout import key_turn_backs, token_shifts
+
+    found = layout([1, 3, 9, 3, 9, 4], block_size=16)  # header, two spans, PDep task
+    seq_len = 6 * 16
+    task_only = key_turn_backs(found, [0, 16], [seq_len], 16)
+    assert task_only is None and token_shifts(found, [0, 16], [seq_len], 16) is None
+    second_span_and_task = key_turn_backs(found, [0, 48], [seq_len], 16)
+    assert second_span_and_task.tolist() == [48] * 32 + [0] * 16
+    # links: a task past them is turned (stored at its logical position)
+    linked = layout([1, 3, 9, 6, 4], block_size=16)
+    assert key_turn_backs(linked, [0, 16], [5 * 16], 16).tolist() == [16] * 16
+    assert token_shifts(linked, [0, 16], [5 * 16], 16) is None  # only link tokens' Q turns
