@@ -43,7 +43,7 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
 from minipic.attention.layer_check import check_current_model
-from minipic.attention.links import batch_metadata, turn_back_tokens
+from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
 from minipic.attention.span_layout import current_layout, key_turn_backs, token_shifts
 from minipic.attention.triton_kernel import (
@@ -64,10 +64,10 @@ class SpanBatchBuilder:
     markers, what the span kernel needs (span_layout.py).
 
     Sets on the metadata: `minipic_tables` (a SpanLayout of this batch, on the device)
-    or None for a batch without markers, `minipic_token_shift` (per token link shifts,
-    None without links), `minipic_key_turn` (per token K turn-backs before the cache
-    write, None when all are 0), `minipic_span_block_size`, and the kernel's split-KV
-    scratch (`minipic_segments`, `minipic_seq_threshold_3d`)."""
+    or None for a batch without markers, `minipic_token_shift` (the Q turn-backs of link
+    tokens, a rotation.Rotation, None without links), `minipic_key_turn` (the K
+    turn-backs before the cache write, None when all are 0), `minipic_span_block_size`,
+    and the kernel's split-KV scratch (`minipic_segments`, `minipic_seq_threshold_3d`)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
@@ -94,10 +94,10 @@ class SpanBatchBuilder:
         metadata.minipic_token_shift = metadata.minipic_key_turn = None
         if has_spans:
             query_start_loc, seq_lens = _host_extents(m)
-            metadata.minipic_token_shift = _on(self.device, token_shifts(
-                layout, query_start_loc, seq_lens, self.block_size))
-            metadata.minipic_key_turn = _on(self.device, key_turn_backs(
-                layout, query_start_loc, seq_lens, self.block_size))
+            metadata.minipic_token_shift = token_turns(token_shifts(
+                layout, query_start_loc, seq_lens, self.block_size), self.device)
+            metadata.minipic_key_turn = token_turns(key_turn_backs(
+                layout, query_start_loc, seq_lens, self.block_size), self.device)
         metadata.minipic_span_block_size = self.block_size
         metadata.minipic_segments = self.segments
         metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
@@ -267,10 +267,6 @@ def _host_extents(m) -> tuple[list[int], list[int]]:
     bound = getattr(m, "seq_lens_cpu_upper_bound", None)
     seq_lens = (m.seq_lens.cpu() if bound is None else bound)[: m.num_reqs].tolist()
     return query_start_loc, seq_lens
-
-
-def _on(device, tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device, non_blocking=True)
 
 
 def _refuse_unsupported(impl: SpanBatchImpl) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from minipic.attention.rope import current_rope
-from minipic.attention.rotation import turn_back
+from minipic.attention.rotation import Rotation, turning_back
 
 
 def batch_metadata(layer) -> Any:
@@ -31,16 +31,24 @@ def batch_metadata(layer) -> Any:
     return metadata.get(layer.layer_name) if isinstance(metadata, dict) else metadata
 
 
-def turn_back_tokens(x: torch.Tensor, amounts: torch.Tensor | None) -> torch.Tensor:
-    """Q or K [tokens, ...] of the batch with its first len(amounts) tokens turned
-    back by their amounts (rows past them are padding and pass as they are).
-
-    `amounts` None means nothing to turn: `x` itself, no work."""
+def token_turns(amounts: torch.Tensor | None, device: torch.device) -> Rotation | None:
+    """The rotation turning the batch's first len(amounts) tokens back by their amounts,
+    looked up once per batch for all layers; None when `amounts` is None (nothing turns)."""
     if amounts is None:
-        return x
+        return None
     rope = current_rope()
-    n = amounts.shape[0]
-    heads = x[:n].view(n, -1, rope.head_size)
-    turned = turn_back(heads, amounts.to(x.device), rope.cos_sin(x.device),
-                       rope.rotary_dim, rope.is_neox_style).to(x.dtype)
+    return turning_back(amounts.to(device, non_blocking=True), rope.cos_sin(device),
+                        rope.rotary_dim, rope.is_neox_style)
+
+
+def turn_back_tokens(x: torch.Tensor, turns: Rotation | None) -> torch.Tensor:
+    """Q or K [tokens, ...] of the batch with its first len(turns) tokens turned back
+    (token_turns; rows past them are padding and pass as they are).
+
+    `turns` None means nothing to turn: `x` itself, no work."""
+    if turns is None:
+        return x
+    n = turns.cos.shape[0]
+    heads = x[:n].view(n, -1, current_rope().head_size)
+    turned = turns.apply(heads).to(x.dtype)
     return torch.cat((turned.view(n, *x.shape[1:]), x[n:]))

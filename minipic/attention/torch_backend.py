@@ -29,9 +29,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
 from minipic.attention.layer_check import check_current_model
-from minipic.attention.links import batch_metadata, turn_back_tokens
+from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.rotation import rotate, turn_back
+from minipic.attention.rotation import Rotation, turn_back
 from minipic.attention.span_layout import (SpanLayout, current_layout, key_frame_offsets,
                                            key_turn_backs, token_shifts, visible_keys)
 
@@ -61,8 +61,8 @@ class MiniPICTorchMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks]
     block_size: int
     layout: SpanLayout | None = None  # spans and links; None: plain causal attention
-    token_shift: torch.Tensor | None = None  # [num_tokens] link shifts; None: all 0
-    key_turn: torch.Tensor | None = None  # [num_tokens] K turn-backs before the write
+    token_shift: Rotation | None = None  # link tokens' Q turned back; None: all 0
+    key_turn: Rotation | None = None  # K turned back before the cache write; None: all 0
     # Per request, [queries, keys] visibility (span_layout.visible_keys), built once per
     # batch for all layers; None: plain causal attention.
     visible: list[torch.Tensor] | None = None
@@ -70,6 +70,9 @@ class MiniPICTorchMetadata:
     # [seq_len], read once per batch (not per layer); None without a layout.
     links: list[tuple[int, int]] | None = field(init=False, default=None)
     key_frames: list[torch.Tensor] | None = field(init=False, default=None)
+    # Rotations turning stored keys forward by their frames, looked up once per batch:
+    # per request, or per padded group of short requests (keyed by the requests).
+    key_rotations: dict[tuple[int, ...], Rotation] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.layout is not None:
@@ -78,6 +81,18 @@ class MiniPICTorchMetadata:
                 self.layout.links_end.tolist(), self.layout.link_tokens.tolist()))
             self.key_frames = [key_frame_offsets(self.layout, i, n, self.block_size)
                                for i, n in enumerate(self.seq_lens)]
+
+    def key_rotation(self, requests: tuple[int, ...], longest: int, rope,
+                     cos_sin: torch.Tensor) -> Rotation:
+        """The rotation of `requests`' stored keys, padded to `longest` keys each and
+        flattened; built at the first layer, reused by the others."""
+        if requests not in self.key_rotations:
+            frames = torch.zeros(len(requests), longest, dtype=torch.int32, device=cos_sin.device)
+            for n, i in enumerate(requests):
+                frames[n, : self.seq_lens[i]] = self.key_frames[i]
+            self.key_rotations[requests] = Rotation.at(
+                frames.flatten(), cos_sin, rope.rotary_dim, rope.is_neox_style, pure=True)
+        return self.key_rotations[requests]
 
 
 class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]):
@@ -103,10 +118,10 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
             block_table=m.block_table_tensor,
             block_size=block_size,
             layout=layout,
-            token_shift=None if layout is None else token_shifts(
-                layout, query_start_loc, seq_lens, block_size),
-            key_turn=None if layout is None else key_turn_backs(
-                layout, query_start_loc, seq_lens, block_size),
+            token_shift=None if layout is None else token_turns(token_shifts(
+                layout, query_start_loc, seq_lens, block_size), self.device),
+            key_turn=None if layout is None else token_turns(key_turn_backs(
+                layout, query_start_loc, seq_lens, block_size), self.device),
             visible=visible,
         )
 
@@ -178,8 +193,7 @@ class MiniPICTorchImpl(AttentionImpl):
             q = q_all[qsl[i] : qsl[i + 1]]
             k, v = gather_request_kv(kv_cache, md.block_table[i], seq_len, self.head_size)
             if md.key_frames is not None:
-                k = rotate(k, md.key_frames[i], cos_sin, rope.rotary_dim, rope.is_neox_style,
-                           pure=True)
+                k = md.key_rotation((i,), seq_len, rope, cos_sin).apply(k)
             visible = None if md.visible is None else md.visible[i]
             near = links_take_no_room(q, md.links, i, seq_len, rope, cos_sin)
             out[qsl[i] : qsl[i + 1]] = causal_attention(
@@ -201,11 +215,8 @@ class MiniPICTorchImpl(AttentionImpl):
                                                   kv_cache.shape[1], -1)[:, :longest]
         k = kv[..., : self.head_size]
         if md.key_frames is not None:
-            frames = torch.zeros(len(requests), longest, dtype=torch.int32, device=device)
-            for n, (i, s) in enumerate(zip(requests, seq_lens)):
-                frames[n, :s] = md.key_frames[i]
-            k = rotate(k.reshape(-1, *k.shape[2:]), frames.flatten(), cos_sin, rope.rotary_dim,
-                       rope.is_neox_style, pure=True).view(k.shape)
+            rotation = md.key_rotation(tuple(requests), longest, rope, cos_sin)
+            k = rotation.apply(k.reshape(-1, *k.shape[2:])).view(k.shape)
         # Slots past a request's length hold whatever the page held (never written, or
         # another request's): zero weight times NaN would still be NaN, so zero them.
         kept = torch.arange(longest, device=device)[None, :] < torch.tensor(seq_lens,

@@ -20,10 +20,37 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder 
 from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder  # noqa: E402
 
 from minipic.attention import cuda_backend as fb  # noqa: E402
-from minipic.devtools.paged_attention_case import marker_layout  # noqa: E402
+from minipic.attention import rope as rope_registry  # noqa: E402
+from minipic.attention.rotation import turning_back  # noqa: E402
+from minipic.devtools.paged_attention_case import marker_layout, rope_table  # noqa: E402
 
 BLOCK = 16
 MAX_BLOCKS = 12
+
+
+ROTARY_DIM = 8
+
+
+@pytest.fixture(autouse=True)
+def rope():
+    """The model's rotary embedding, as a loaded model registers it."""
+    rope_registry.reset_rope()
+    rope_registry._register(rope_registry.RopeParams(
+        head_size=ROTARY_DIM, rotary_dim=ROTARY_DIM, is_neox_style=True,
+        cos_sin_fp32=rope_table(ROTARY_DIM, MAX_BLOCKS * BLOCK)))
+    yield
+    rope_registry.reset_rope()
+
+
+def turns(amounts: list[int]):
+    """The rotation turning tokens back by `amounts`, as the builder should hand it."""
+    return turning_back(torch.tensor(amounts), rope_table(ROTARY_DIM, MAX_BLOCKS * BLOCK),
+                        ROTARY_DIM, True)
+
+
+def same_turns(rotation, amounts: list[int]) -> bool:
+    expected = turns(amounts)
+    return torch.equal(rotation.cos, expected.cos) and torch.equal(rotation.sin, expected.sin)
 
 
 @pytest.fixture(params=["flash", "triton"])
@@ -69,15 +96,15 @@ def test_a_link_batch_gets_its_tables_shifts_and_key_turns(builder, monkeypatch)
                                                              3 * BLOCK, 0, 0, 2 * BLOCK]
     # Q: request 0's 42 new tokens are link 1 (shift 4 blocks), link 2 (3 blocks) and the
     # task; request 1's 3 sit in its link (1 block back)
-    assert md.minipic_token_shift.tolist() == [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [0] * 10 \
-        + [BLOCK] * 3
+    assert same_turns(md.minipic_token_shift,
+                      [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [0] * 10 + [BLOCK] * 3)
     # K: the same, and the task past the links at its logical position (two link blocks)
-    assert md.minipic_key_turn.tolist() == [4 * BLOCK] * 16 + [3 * BLOCK] * 16 \
-        + [2 * BLOCK] * 10 + [BLOCK] * 3
+    assert same_turns(md.minipic_key_turn,
+                      [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [2 * BLOCK] * 10 + [BLOCK] * 3)
     assert md.minipic_segments == ("scratch",) and md.minipic_seq_threshold_3d == 8
 
 
 def test_spans_without_links_turn_span_keys_only(builder, monkeypatch):
     md = build(builder, monkeypatch, ["-S-P"], [64], [64])
     assert md.minipic_token_shift is None
-    assert md.minipic_key_turn.tolist() == [0] * 16 + [BLOCK] * 32 + [0] * 16
+    assert same_turns(md.minipic_key_turn, [0] * 16 + [BLOCK] * 32 + [0] * 16)

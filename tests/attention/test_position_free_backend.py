@@ -69,6 +69,7 @@ def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_k
     (the reference applies span_layout.visible_keys, keys at their indices)."""
     from minipic.attention import rope as rope_registry
     from minipic.attention import torch_backend as tb
+    from minipic.attention.links import token_turns
     from minipic.attention.span_layout import visible_keys
     from minipic.devtools.paged_attention_case import marker_layout
 
@@ -95,7 +96,8 @@ def test_matches_rotated_k_attention(head_size, is_neox, rotary_fraction, rope_k
         slots = block_table[i, torch.arange(seq_len) // BLOCK_SIZE] * BLOCK_SIZE + torch.arange(seq_len) % BLOCK_SIZE
         q_rot = stock_rotate(rope, torch.arange(prefix, seq_len), q)
         k_rot = stock_rotate(rope, torch.arange(seq_len), k)  # what the model hands attention
-        turn = None if layout is None else layout.frame_offset[i, torch.arange(seq_len) // BLOCK_SIZE]
+        turn = None if layout is None else token_turns(
+            layout.frame_offset[i, torch.arange(seq_len) // BLOCK_SIZE], torch.device("cpu"))
         monkeypatch.setattr(tb, "batch_metadata", lambda layer: SimpleNamespace(key_turn=turn))
         impl.do_kv_cache_update(None, k_rot, v, kv_cache, slots)
         queries.append(q_rot)

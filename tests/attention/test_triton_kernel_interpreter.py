@@ -226,6 +226,7 @@ def _run_backend_links() -> float | str:
 
     from minipic.attention import cuda_backend as fb
     from minipic.attention import rope as rope_registry
+    from minipic.attention.links import token_turns
     from minipic.attention.rotation import rotate
     from minipic.attention.span_layout import key_turn_backs, token_shifts, visible_keys
     from minipic.devtools.paged_attention_case import make_case, relative_error
@@ -249,8 +250,8 @@ def _run_backend_links() -> float | str:
     FlashAttentionImpl.do_kv_cache_update = (
         lambda self, layer, key, value, kv_cache, slot_mapping: stored.update(key=key))
     whole = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
-    fb.batch_metadata = lambda layer: SimpleNamespace(
-        minipic_key_turn=key_turn_backs(layout, whole, seq_lens, bs))
+    fb.batch_metadata = lambda layer: SimpleNamespace(minipic_key_turn=token_turns(
+        key_turn_backs(layout, whole, seq_lens, bs), torch.device("cpu")))
     impl = _flash_impl(fb, dim, case.scale)
     impl.do_kv_cache_update(None, torch.cat([
         rotate(k, torch.arange(k.shape[0]), case.cos_sin, case.rotary_dim, case.is_neox)
@@ -266,7 +267,8 @@ def _run_backend_links() -> float | str:
                                                                    case.context_lens)])
     query = rotate(q_raw, physical, case.cos_sin, case.rotary_dim, case.is_neox)  # the model's Q
     md = _span_metadata(case, query)
-    md.minipic_token_shift = token_shifts(layout, starts, seq_lens, bs)
+    md.minipic_token_shift = token_turns(token_shifts(layout, starts, seq_lens, bs),
+                                         torch.device("cpu"))
     out = torch.full_like(query, float("nan"))
     impl.forward(None, query, None, None, torch.stack((k_cache, case.v_cache), dim=1), md, out)
 
