@@ -57,7 +57,7 @@ def model_problems(vllm_config: Any) -> list[str]:
         "their frames of the batch it was captured with": _kv_update_captured(vllm_config),
     }
     problems = [reason for reason, present in checks.items() if present]
-    problems += _connector_problems(vllm_config) + _mask_markers_problems(vllm_config)
+    problems += _connector_problems(vllm_config)
     pass_config = vllm_config.compilation_config.pass_config
     problems += [
         f"compilation pass {name}: it fuses RoPE into the KV cache write, which would skip "
@@ -91,17 +91,6 @@ def _connector_problems(vllm_config: Any) -> list[str]:
     return [f"kv_connector {name!r}: it would share or load KV blocks that stock vLLM "
             f"instances read with keys at their positions, not in span frames; use "
             f"{CONNECTOR_NAME} (docs/connector.md)"]
-
-
-def _mask_markers_problems(vllm_config: Any) -> list[str]:
-    """mask_markers is a measurement option of the CPU (torch) backend only."""
-    from vllm.platforms import current_platform
-
-    from minipic.config import mask_markers
-
-    if mask_markers(vllm_config) and not current_platform.is_cpu():
-        return ["mask_markers: implemented by the CPU backend only (docs/recipes.md)"]
-    return []
 
 
 def check_supported(vllm_config: Any) -> None:

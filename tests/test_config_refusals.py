@@ -185,21 +185,6 @@ def test_connector_without_prefix_caching_fails_at_config_creation(tiny_model):
         args.create_engine_config()
 
 
-def test_mask_markers_is_refused_off_the_cpu(monkeypatch):
-    """Only the torch backend hides marker keys: on CUDA it is refused at start-up."""
-    from types import SimpleNamespace
-
-    from vllm.platforms import current_platform
-
-    from minipic import support
-
-    config = SimpleNamespace(kv_transfer_config=None,
-                             additional_config={"minipic": {"mask_markers": True}})
-    assert support._mask_markers_problems(config) == []  # this machine: CPU
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    assert "CPU backend only" in support._mask_markers_problems(config)[0]
-
-
 def test_splitting_ops_that_capture_the_kv_cache_write_are_refused_on_cuda(monkeypatch):
     """On CUDA, a graph piece holding the KV cache write would replay the turn of span keys
     into their frames of the batch it was captured with: such splitting_ops are refused."""

@@ -7,7 +7,7 @@ added (eager; compiled, see below). Any other batch turns its new keys
 back into their frames before the cache write (attention.links) and runs minipic's
 Triton kernel (`triton_kernel.unified_attention_rope`) over the same paged cache: it
 turns keys forward by their frame offsets per tile and applies the span and EPIC
-link rules. Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
+link rules (and with mask_markers hides marker and padding keys). Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
     models: what stock vLLM picks there;
   * vLLM's Triton backend otherwise (fp32 models, older GPUs).
@@ -26,6 +26,7 @@ returns one of them whenever minipic is on, so users never pick it by hand.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import torch
@@ -50,6 +51,7 @@ from minipic.attention.triton_kernel import (
     MIN_GRID_2D,
     SPLIT_KV_MAX_TOKENS,
     check_rope,
+    quiet_words,
     segment_buffers,
     span_table_args,
     unified_attention_rope,
@@ -86,14 +88,17 @@ class SpanBatchBuilder:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
         layout = current_layout(m.num_reqs, self.block_size)
-        if layout is not None and layout.quiet is not None:
-            raise UnsupportedAttentionError(
-                "mask_markers is not implemented in minipic's CUDA attention")
         has_spans = layout is not None and not layout.is_plain()
-        metadata.minipic_tables = layout.to(self.device) if has_spans else None
+        metadata.minipic_tables = metadata.minipic_quiet_bits = None
         metadata.minipic_token_shift = metadata.minipic_key_turn = None
         if has_spans:
             query_start_loc, seq_lens = _host_extents(m)
+            # Per block tables to the device; per token ones stay (mask_markers: bits).
+            metadata.minipic_tables = dataclasses.replace(
+                layout, quiet=None, logical=None).to(self.device)
+            if layout.quiet is not None:
+                metadata.minipic_quiet_bits = quiet_words(
+                    layout.quiet, max(seq_lens)).to(self.device, non_blocking=True)
             metadata.minipic_token_shift = token_turns(token_shifts(
                 layout, query_start_loc, seq_lens, self.block_size), self.device)
             metadata.minipic_key_turn = token_turns(key_turn_backs(
@@ -156,7 +161,8 @@ class SpanBatchImpl:
             rotary_dim=rope.rotary_dim, is_neox_style=rope.is_neox_style,
             segm_output=segm_output, segm_max=segm_max, segm_expsum=segm_expsum,
             seq_threshold_3d=md.minipic_seq_threshold_3d,
-            **span_table_args(md.minipic_tables, md.minipic_span_block_size),
+            **span_table_args(md.minipic_tables, md.minipic_span_block_size,
+                              md.minipic_quiet_bits),
         )
         return output
 

@@ -132,6 +132,16 @@ def _span_visible(q_span, q_context, k_span, k_context):
 
 
 @triton.jit
+def _seen_if_quiet(quiet_ptr, seq_idx, quiet_stride, offs_t, t_mask, query_pos):
+    """(rows, keys): False where a key is quiet (a marker or padding, mask_markers) and
+    the row is not its own token's query."""
+    words = tl.load(quiet_ptr + seq_idx.to(tl.int64) * quiet_stride + offs_t // 32,
+                    mask=t_mask, other=0)
+    quiet = ((words >> (offs_t % 32)) & 1) != 0
+    return ~quiet[None, :] | (offs_t[None, :] == query_pos[:, None])
+
+
+@triton.jit
 def _turned_back(q1, q2, cos_sin_ptr, cos_sin_stride, room, offs_r, r_mask,
                  ROT_HALF: tl.constexpr):
     """The query pairs rotated by -room (fp32 math; the table's row 0 scale divided out)."""
@@ -158,6 +168,7 @@ def minipic_attention_kernel(
     frame_offset_ptr,  # HAS_SPAN_TABLES: [seqs, blocks] int32, SpanLayout.frame_offset
     links_end_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.links_end
     link_tokens_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.link_tokens
+    quiet_ptr,  # HAS_QUIET: [seqs, words] int32, bit k % 32 of word k // 32: key k is quiet
     segm_out_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32
     segm_max_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
     segm_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
@@ -178,6 +189,7 @@ def minipic_attention_kernel(
     v_stride_3: tl.constexpr,
     cos_sin_stride: tl.int64,
     span_table_stride: tl.int64,  # row stride of the three span tables
+    quiet_stride: tl.int64,  # row stride of the quiet bits
     NUM_QUERY_HEADS: tl.constexpr,
     NUM_QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -196,6 +208,7 @@ def minipic_attention_kernel(
     PREFETCH: tl.constexpr,
     HAS_SPAN_TABLES: tl.constexpr,  # minipic spans and links (see minipic.attention.span_layout)
     SPAN_BLOCK: tl.constexpr,  # block size the span tables are indexed by
+    HAS_QUIET: tl.constexpr,  # mask_markers: marker and padding keys seen by their own query only
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -326,6 +339,9 @@ def minipic_attention_kernel(
             k_span, k_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row,
                                                   offs_t, t_mask, SPAN_BLOCK)
             visible = visible & _span_visible(q_span, q_context, k_span, k_context)
+        if HAS_QUIET:
+            visible = visible & _seen_if_quiet(quiet_ptr, seq_idx, quiet_stride, offs_t, t_mask,
+                                               query_abs_pos)
         S = tl.where(visible, S, float("-inf"))
 
         # Online softmax (base 2). M stays the true running max, -inf while a row has
@@ -502,6 +518,7 @@ def unified_attention_rope(
     span_block_size: int | None = None,
     links_end: torch.Tensor | None = None,
     link_tokens: torch.Tensor | None = None,
+    quiet_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of `q` over K stored in frames, turning K tiles forward.
 
@@ -521,7 +538,8 @@ def unified_attention_rope(
     (SpanLayout: queries past a request's links score the keys before them
     link_tokens positions nearer); without them (HAS_SPAN_TABLES off) the launch is
     plain causal attention over K as stored and reads no table. Link tokens' Q must
-    already be turned back (attention.links).
+    already be turned back (attention.links). `quiet_bits` [seqs, words] int32
+    (quiet_words; with the span tables only): keys no query but their own sees.
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -552,6 +570,9 @@ def unified_attention_rope(
         grid = (num_q_blocks, num_kv_heads)
     has_span_tables = _check_span_tables(span_of, context_pos, frame_offset, links_end,
                                          link_tokens, num_seqs)
+    has_quiet = quiet_bits is not None
+    if has_quiet:
+        _check_quiet_bits(quiet_bits, has_span_tables, num_seqs)
     minipic_attention_kernel[grid](
         out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
         span_of if has_span_tables else block_table,  # any pointer when unused
@@ -559,11 +580,13 @@ def unified_attention_rope(
         frame_offset if has_span_tables else block_table,
         links_end if has_span_tables else seqused_k,
         link_tokens if has_span_tables else seqused_k,
+        quiet_bits if has_quiet else seqused_k,
         segm_output, segm_max, segm_expsum,
         softmax_scale * _LOG2E, num_seqs,
         block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
         span_of.stride(0) if has_span_tables else 0,
+        quiet_bits.stride(0) if has_quiet else 0,
         NUM_QUERY_HEADS=num_q_heads,
         NUM_QUERIES_PER_KV=queries_per_kv,
         BLOCK_SIZE=block_size,
@@ -582,6 +605,7 @@ def unified_attention_rope(
         PREFETCH=config.prefetch,
         HAS_SPAN_TABLES=has_span_tables,
         SPAN_BLOCK=span_block_size or block_size,
+        HAS_QUIET=has_quiet,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -598,12 +622,42 @@ def unified_attention_rope(
     return out
 
 
-def span_table_args(layout, block_size: int) -> dict:
-    """unified_attention_rope's table arguments from a span_layout.SpanLayout."""
+def span_table_args(layout, block_size: int, quiet_bits: torch.Tensor | None = None) -> dict:
+    """unified_attention_rope's table arguments from a span_layout.SpanLayout.
+
+    With mask_markers (`quiet_bits`, quiet_words of layout.quiet): keys are read at
+    layout.read_offset, and links take no room through the positions Q and K were
+    turned to (span_layout.token_shifts, key_turn_backs), so no query scores twice."""
+    if quiet_bits is None:
+        return dict(span_of=layout.span_of, context_pos=layout.context_pos,
+                    frame_offset=layout.frame_offset, links_end=layout.links_end,
+                    link_tokens=layout.link_tokens, span_block_size=block_size)
+    no_links = torch.zeros_like(layout.links_end)
     return dict(span_of=layout.span_of, context_pos=layout.context_pos,
-                frame_offset=layout.frame_offset, links_end=layout.links_end,
-                link_tokens=layout.link_tokens,
-                span_block_size=block_size)
+                frame_offset=layout.read_offset, links_end=no_links, link_tokens=no_links,
+                span_block_size=block_size, quiet_bits=quiet_bits)
+
+
+def quiet_words(quiet: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[reqs, tokens] bool -> [reqs, ceil(num_keys / 32)] int32 bits: bit k % 32 of word
+    k // 32 is quiet[:, k] (the kernel reads a word per 32 keys, not a byte per key)."""
+    words = -(-num_keys // 32)
+    bits = torch.zeros(quiet.shape[0], words * 32, dtype=torch.int64, device=quiet.device)
+    width = min(num_keys, quiet.shape[1])
+    bits[:, :width] = quiet[:, :width].to(torch.int64)
+    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=quiet.device),
+                                       torch.arange(32, device=quiet.device))
+    packed = (bits.view(quiet.shape[0], words, 32) * weights).sum(-1)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def _check_quiet_bits(quiet_bits: torch.Tensor, has_span_tables: bool, num_seqs: int) -> None:
+    if not has_span_tables:
+        raise ValueError("quiet_bits come with the span tables (mask_markers)")
+    if quiet_bits.dtype != torch.int32 or quiet_bits.dim() != 2 \
+            or quiet_bits.shape[0] < num_seqs or quiet_bits.stride(1) != 1:
+        raise ValueError(f"quiet_bits must be int32 [>= {num_seqs}, words] with unit stride "
+                         f"on words, got {quiet_bits.dtype} {tuple(quiet_bits.shape)}")
 
 
 def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor | None,

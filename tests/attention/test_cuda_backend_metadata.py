@@ -108,3 +108,16 @@ def test_spans_without_links_turn_span_keys_only(builder, monkeypatch):
     md = build(builder, monkeypatch, ["-S-P"], [64], [64])
     assert md.minipic_token_shift is None
     assert same_turns(md.minipic_key_turn, [0] * 16 + [BLOCK] * 32 + [0] * 16)
+
+
+def test_quiet_keys_reach_the_kernel_as_bits():
+    """mask_markers: a word per 32 keys, bit 31 included (int32's sign bit)."""
+    from minipic.attention.triton_kernel import quiet_words
+
+    quiet = torch.zeros(2, 100, dtype=torch.bool)
+    quiet[0, [0, 31, 32, 70]] = True
+    quiet[1, 99] = True  # past num_keys: not sent
+    words = quiet_words(quiet, 80)
+    assert words.dtype == torch.int32 and words.shape == (2, 3)
+    unpacked = [[k for k in range(96) if int(words[r, k // 32]) >> (k % 32) & 1] for r in (0, 1)]
+    assert unpacked == [[0, 31, 32, 70], []]

@@ -101,6 +101,9 @@ TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
 BACKEND_CASES = ("backend_forward_5d_cache", "backend_forward_4d_cache")
 # Through the backend's KV cache write and forward with EPIC links: Q and K turned back.
 BACKEND_LINK_CASE = "backend_links_turn_back_fp32"
+# Through the builder, the KV cache write and forward with mask_markers: markers and
+# padding hidden and taking no room (links too).
+BACKEND_QUIET_CASE = "backend_mask_markers_fp32"
 
 
 def _run_case(name: str) -> float:
@@ -206,6 +209,7 @@ def _span_metadata(case, query):
         seq_lens=case.seq_lens, max_query_len=case.max_seqlen_q, block_table=case.block_table,
         causal=True, mm_prefix_range_tensor=None, minipic_tables=case.layout,
         minipic_span_block_size=case.block_size, minipic_token_shift=None,
+        minipic_quiet_bits=None,
         minipic_segments=tk.segment_buffers(64, query.shape[1], query.shape[2], "cpu"),
         minipic_seq_threshold_3d=8)
 
@@ -290,6 +294,126 @@ def _run_backend_links() -> float | str:
     return relative_error(out, ref)
 
 
+def _quiet_tokens(markers: str, seq_len: int, pads: int):
+    """A request's token ids as minipic's recipes lay them out: each block's first token
+    as `markers` says, the last `pads` tokens of the header and of every span's last
+    block padding, and the k-th link block a copy of the k-th span's head."""
+    import torch
+
+    from minipic.devtools.paged_attention_case import MARKER_TOKENS, MARKERS
+
+    bs = 16
+    blocks = torch.full((len(markers), bs), 9)
+    blocks[:, 0] = torch.tensor([MARKER_TOKENS[c] for c in markers])
+    heads = [b for b, c in enumerate(markers) if c == "S"]
+    for b, c in enumerate(markers[:-1]):
+        if c in "-S" and markers[b + 1] != "-":  # the header's or a span's last block
+            blocks[b, bs - pads:] = MARKERS.pad_token_id
+    for k, b in enumerate(b for b, c in enumerate(markers) if c == "L"):
+        blocks[b, 1:] = blocks[heads[k], 1:]
+    return blocks.flatten()[:seq_len]
+
+
+def _run_backend_mask_markers() -> float | str:
+    """Child process: mask_markers through MiniPICFlashMetadataBuilder.build, the KV cache
+    write and forward, for the EPIC hit (header and spans cached, links and task
+    computed) and a decode past its links, against attention at the tokens' logical
+    positions under span_layout.visible_keys with quiet keys (the torch backend's rules)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        return "skipped: vllm is not installed"
+    from vllm.v1.attention.backends.flash_attn import (
+        FlashAttentionImpl,
+        FlashAttentionMetadataBuilder,
+    )
+
+    from minipic.attention import cuda_backend as fb
+    from minipic.attention import rope as rope_registry
+    from minipic.attention import triton_kernel as tk
+    from minipic.attention.rotation import rotate
+    from minipic.attention.span_layout import quiet_keys, span_layout, take_no_room, visible_keys
+    from minipic.devtools.paged_attention_case import MARKERS, make_case, relative_error
+
+    markers = [LINKS, "-S-S-LP"]
+    case = make_case([42, 1], [80, 100], num_q_heads=4, num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, markers=markers, seed=13)
+    bs, dim, seq_lens = case.block_size, 32, case.seq_lens.tolist()
+    width = case.block_table.shape[1] * bs
+    tokens = torch.full((2, width), 9)
+    for i, (row, n) in enumerate(zip(markers, seq_lens)):
+        tokens[i, :n] = _quiet_tokens(row.ljust(-(-n // bs), "-"), n, pads=3 + 2 * i)
+    layout = span_layout(tokens[:, ::bs], MARKERS, bs, torch.tensor(seq_lens))
+    take_no_room(layout, quiet_keys(tokens, MARKERS), bs)
+    rope_registry._current = rope_registry.RopeParams(
+        head_size=dim, rotary_dim=case.rotary_dim, is_neox_style=case.is_neox,
+        cos_sin_fp32=case.cos_sin)
+    fb.current_rope = rope_registry.current_rope  # undo _run_backend_forward's stand-in
+
+    def build(query_lens: list[int]):
+        """The builder's metadata for these query lengths over the case's sequences."""
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                              dtype=torch.int32)
+        FlashAttentionMetadataBuilder.build = lambda self, *a, **k: SimpleNamespace(
+            num_actual_tokens=int(starts[-1]), query_start_loc=starts, seq_lens=case.seq_lens,
+            max_query_len=max(query_lens), block_table=case.block_table, causal=True,
+            mm_prefix_range_tensor=None)
+        builder = object.__new__(fb.MiniPICFlashMetadataBuilder)
+        builder.block_size, builder.device = bs, torch.device("cpu")
+        builder.segments = tk.segment_buffers(64, 4, dim, "cpu")
+        builder.seq_threshold_3d = 8
+        fb.current_layout = lambda num_reqs, block_size: layout
+        return builder.build(0, SimpleNamespace(num_reqs=2, query_start_loc=starts,
+                                                query_start_loc_cpu=starts,
+                                                seq_lens=case.seq_lens))
+
+    # Every key written as the steps that computed them would, each K as the model's
+    # RoPE hands it (rotated at its index): one write of all tokens of both requests.
+    k_raw = [case.k_model[case.block_table[i, torch.arange(n) // bs].long(), torch.arange(n) % bs]
+             for i, n in enumerate(seq_lens)]
+    stored = {}
+    FlashAttentionImpl.do_kv_cache_update = (
+        lambda self, layer, key, value, kv_cache, slot_mapping: stored.update(key=key))
+    md = build(seq_lens)
+    assert md.minipic_quiet_bits is not None
+    fb.batch_metadata = lambda layer: md
+    impl = _flash_impl(fb, dim, case.scale)
+    impl.do_kv_cache_update(None, torch.cat([
+        rotate(k, torch.arange(k.shape[0]), case.cos_sin, case.rotary_dim, case.is_neox)
+        for k in k_raw]), None, None, None)
+    k_cache = case.k_cache.clone()
+    whole = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
+    for i, n in enumerate(seq_lens):
+        rows = stored["key"][whole[i]: whole[i + 1]]
+        k_cache[case.block_table[i, torch.arange(n) // bs].long(), torch.arange(n) % bs] = rows
+
+    md = build(case.query_lens)  # this step's queries
+    starts = case.cu_seqlens_q.tolist()
+    q_raw = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(5))
+    physical = torch.cat([torch.arange(c, c + q) for q, c in zip(case.query_lens,
+                                                                   case.context_lens)])
+    query = rotate(q_raw, physical, case.cos_sin, case.rotary_dim, case.is_neox)  # the model's Q
+    out = torch.full_like(query, float("nan"))
+    impl.forward(None, query, None, None, torch.stack((k_cache, case.v_cache), dim=1), md, out)
+
+    ref = torch.empty(query.shape, dtype=torch.float64)
+    for i, n in enumerate(seq_lens):
+        logical, q_len = layout.logical[i, :n], case.query_lens[i]
+        q = rotate(q_raw[starts[i]: starts[i + 1]], logical[n - q_len:], case.cos_sin,
+                   case.rotary_dim, case.is_neox).double()
+        k = rotate(k_raw[i], logical, case.cos_sin, case.rotary_dim, case.is_neox).double()
+        v = case.v_cache[case.block_table[i, torch.arange(n) // bs].long(),
+                         torch.arange(n) % bs].double()
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
+        scores = scores.masked_fill(~visible_keys(layout, i, n, q_len, bs), float("-inf"))
+        ref[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return relative_error(out, ref)
+
+
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, float]:
     if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
@@ -310,7 +434,7 @@ def test_kernel_matches_reference(interpreter_errors, name):
     assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("name", [*BACKEND_CASES, BACKEND_LINK_CASE])
+@pytest.mark.parametrize("name", [*BACKEND_CASES, BACKEND_LINK_CASE, BACKEND_QUIET_CASE])
 def test_backend_forward_matches_reference(interpreter_errors, name):
     err = interpreter_errors[name]
     if isinstance(err, str) and err.startswith("skipped"):
@@ -336,4 +460,8 @@ if __name__ == "__main__":
         results[BACKEND_LINK_CASE] = _run_backend_links()
     except Exception as exc:
         results[BACKEND_LINK_CASE] = f"{type(exc).__name__}: {exc}"
+    try:
+        results[BACKEND_QUIET_CASE] = _run_backend_mask_markers()
+    except Exception as exc:
+        results[BACKEND_QUIET_CASE] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(results))
