@@ -67,6 +67,7 @@ METHODS: dict[str, Callable[..., Any] | None] = {
     "stock": None,
     "block_attention": block_attention,
     "epic": functools.partial(epic, recompute_blocks=1),
+    "epic2": functools.partial(epic, recompute_blocks=2),  # less reuse, for the trade-off
     "prompt_cache": _prompt_cache,
 }
 
