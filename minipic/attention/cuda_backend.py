@@ -87,7 +87,7 @@ class SpanBatchBuilder:
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
-        layout = current_layout(m.num_reqs, self.block_size)
+        layout = current_layout(m.num_reqs, self.block_size, m.max_seq_len)
         has_spans = layout is not None and not layout.is_plain()
         metadata.minipic_tables = metadata.minipic_quiet_bits = None
         metadata.minipic_token_shift = metadata.minipic_key_turn = None

@@ -233,12 +233,19 @@ def quiet_keys(tokens: torch.Tensor, protocol: SpanProtocol) -> torch.Tensor:
     return torch.isin(tokens, ids)
 
 
-def current_layout(num_reqs: int, block_size: int) -> SpanLayout | None:
-    """The SpanLayout of the batch being built; None if unknown (dummy runs)."""
+def current_layout(num_reqs: int, block_size: int, num_tokens: int | None = None
+                   ) -> SpanLayout | None:
+    """The SpanLayout of the batch being built; None if unknown (dummy runs).
+
+    `num_tokens`: the batch's longest sequence. The runner's token rows are
+    max_model_len wide; the layout needs its blocks only (mask_markers' per token
+    tables would otherwise cost max_model_len per request, every step)."""
     found = _token_rows(num_reqs)
     if found is None:
         return None
     tokens, prompt_lens = found
+    if num_tokens is not None:
+        tokens = tokens[:, : -(-num_tokens // block_size) * block_size]
     layout = span_layout(tokens[:, ::block_size], _protocol, block_size, prompt_lens)
     if _mask_markers:
         take_no_room(layout, quiet_keys(tokens, _protocol), block_size)
@@ -275,11 +282,13 @@ def logical_positions(layout: SpanLayout, quiet: torch.Tensor, block_size: int) 
     base = index - layout.shift.gather(1, block) \
         - torch.where(past_links, layout.link_tokens[:, None], 0)
     seen = layout.context_pos.gather(1, block) != HIDDEN
-    logical = torch.empty_like(base)
-    for r in range(reqs):
-        counted = base[r][seen[r] & quiet[r]].sort().values
-        logical[r] = base[r] - torch.searchsorted(counted, base[r])  # quiet ones before
-    return logical.to(torch.int32)
+    # How many counted (seen, quiet) tokens stand at each position, then before each token's
+    # position: one scatter and one running sum for the whole batch (no per-request loop,
+    # which would be thousands of small launches a step on a GPU).
+    counted_at = torch.zeros(reqs, n + 1, dtype=torch.int64, device=quiet.device)
+    counted_at.scatter_add_(1, base.clamp(0, n), (seen & quiet).to(torch.int64))
+    before = counted_at.cumsum(dim=1) - counted_at
+    return (base - before.gather(1, base.clamp(0, n))).to(torch.int32)
 
 
 def per_query_token(table: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],

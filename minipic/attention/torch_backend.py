@@ -105,7 +105,7 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
         query_start_loc = m.query_start_loc.tolist()
         seq_lens = m.seq_lens[: m.num_reqs].tolist()
         block_size = self.kv_cache_spec.block_size
-        layout = current_layout(m.num_reqs, block_size)
+        layout = current_layout(m.num_reqs, block_size, m.max_seq_len)
         if layout is not None and layout.is_plain():
             layout = None
         visible = None if layout is None else [

@@ -67,12 +67,13 @@ def builder(monkeypatch, request):
 
 
 def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_lens: list[int]):
-    monkeypatch.setattr(fb, "current_layout",
-                        lambda num_reqs, block_size: marker_layout(markers, MAX_BLOCKS, BLOCK))
+    monkeypatch.setattr(fb, "current_layout", lambda num_reqs, block_size, num_tokens:
+                        marker_layout(markers, MAX_BLOCKS, BLOCK))
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     common = SimpleNamespace(num_reqs=len(seq_lens), query_start_loc=starts,
                              query_start_loc_cpu=starts,
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                             max_seq_len=max(seq_lens))
     return builder.build(0, common)
 
 

@@ -169,3 +169,59 @@ def test_only_the_batchs_own_tokens_decide_whether_keys_turn():
     linked = layout([1, 3, 9, 6, 4], block_size=16)
     assert key_turn_backs(linked, [0, 16], [5 * 16], 16).tolist() == [16] * 16
     assert token_shifts(linked, [0, 16], [5 * 16], 16) is None  # only link tokens' Q turns
+
+
+def _logical_one_row_at_a_time(layout, quiet, block_size):
+    """logical_positions as first written: a sort and a search per request."""
+    from minipic.attention.span_layout import HIDDEN
+
+    reqs, n = quiet.shape
+    index = torch.arange(n).expand(reqs, -1)
+    block = index // block_size
+    in_span = layout.span_of.gather(1, block) >= 0
+    past_links = (index >= layout.links_end[:, None]) & ~in_span & (layout.links_end[:, None] > 0)
+    base = index - layout.shift.gather(1, block) \
+        - torch.where(past_links, layout.link_tokens[:, None], 0)
+    seen = layout.context_pos.gather(1, block) != HIDDEN
+    logical = torch.empty_like(base)
+    for r in range(reqs):
+        counted = base[r][seen[r] & quiet[r]].sort().values
+        logical[r] = base[r] - torch.searchsorted(counted, base[r])
+    return logical.to(torch.int32)
+
+
+def test_logical_positions_of_a_whole_batch_at_once():
+    """The batched count (one scatter, one running sum) equals the per-request one on
+    random EPIC batches with random quiet tokens."""
+    from minipic.attention.span_layout import logical_positions
+
+    gen = torch.Generator().manual_seed(0)
+    rows = ["-S-S-LLP--", "-SS-SLP", "S--P", "-S-LP-"]
+    for _ in range(20):
+        found = layout(*[[{"-": 9, "S": 3, "L": 6, "P": 4}[c] for c in r.ljust(10, "-")]
+                         for r in rows], block_size=4)
+        quiet = torch.rand(len(rows), 40, generator=gen) < 0.3
+        assert torch.equal(logical_positions(found, quiet, 4),
+                           _logical_one_row_at_a_time(found, quiet, 4))
+
+
+def test_the_layout_covers_the_batchs_sequences_not_max_model_len():
+    """The runner's token rows are max_model_len wide; per token tables (mask_markers)
+    used to be that wide for every request of every step."""
+    from minipic.attention import span_layout as sl
+
+    class Runner:  # the V1 runner's token table, 4096 wide
+        input_batch = type("Batch", (), {})()
+
+    runner = Runner()
+    rows = torch.full((2, 4096), 9)
+    rows[:, [0, 32]] = torch.tensor([3, 4])  # SSep span, then the PDep task
+    runner.input_batch.token_ids_cpu_tensor = rows
+    runner.input_batch.num_prompt_tokens = torch.tensor([70, 40]).numpy()
+    sl.register_runner(runner, P, mask_markers=True)
+    try:
+        found = sl.current_layout(2, 32, num_tokens=70)
+        assert found.span_of.shape == (2, 3) and found.quiet.shape == (2, 96)
+    finally:
+        sl.register_runner(runner, P, mask_markers=False)
+        del runner

@@ -365,10 +365,11 @@ def _run_backend_mask_markers() -> float | str:
         builder.block_size, builder.device = bs, torch.device("cpu")
         builder.segments = tk.segment_buffers(64, 4, dim, "cpu")
         builder.seq_threshold_3d = 8
-        fb.current_layout = lambda num_reqs, block_size: layout
+        fb.current_layout = lambda num_reqs, block_size, num_tokens: layout
         return builder.build(0, SimpleNamespace(num_reqs=2, query_start_loc=starts,
                                                 query_start_loc_cpu=starts,
-                                                seq_lens=case.seq_lens))
+                                                seq_lens=case.seq_lens,
+                                                max_seq_len=max(seq_lens)))
 
     # Every key written as the steps that computed them would, each K as the model's
     # RoPE hands it (rotated at its index): one write of all tokens of both requests.
