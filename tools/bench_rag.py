@@ -35,7 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-import bench_ttft  # noqa: E402  (shares the model set-up, and measures Figure 2's TTFT)
+# Figure 2's TTFT is bench_ttft.py's own run: its phases re-enter that script as child processes.
+import bench_ttft  # noqa: E402
+from minipic.devtools.bench_setup import (  # noqa: E402  (shared with tools/bench_ttft.py)
+    DEFAULT_DISK_PHASES, connector_extra, disk_phase_list, gib, int_list, make_model, random_words)
 
 # The workload's shape (issue 6): a document body of 95 tokens + its SSep marker is 96 tokens,
 # whole blocks at block size 16 (GPU) and 32 (CPU), so no padding changes the token counts.
@@ -168,7 +171,7 @@ def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_s
     from minipic.protocol import SpanProtocol
 
     rng = random.Random(seed)
-    words = bench_ttft.random_words(rng, arch)
+    words = random_words(rng, arch)
     protocol = SpanProtocol.from_dict(markers)
     system = words(SYSTEM_TOKENS)
     pool, chosen = draw_documents(
@@ -258,7 +261,7 @@ def connector_config(arch: str, store: str, markers: dict, disk_max_bytes: int |
 
     from minipic.config import connector_config
 
-    extra = bench_ttft.connector_extra(arch, store, markers, cpu_bytes)
+    extra = connector_extra(arch, store, markers, cpu_bytes)
     if disk_max_bytes:
         extra["disk_max_bytes"] = disk_max_bytes
     return KVTransferConfig(**connector_config(extra))
@@ -376,7 +379,7 @@ def kv_share_child(spec: dict) -> dict:
 
     block = spec["engine"]["block_size"]
     protocol = SpanProtocol.from_dict(spec["markers"])
-    words = bench_ttft.random_words(random.Random(spec["seed"]), spec["arch"])
+    words = random_words(random.Random(spec["seed"]), spec["arch"])
     document = words(spec["doc_tokens"])
     prompts = [block_attention([words((1 + i % 16) * block - 1), document], words(TASK_TOKENS),
                                protocol=protocol, block_size=block)
@@ -436,7 +439,7 @@ def preload_child(spec: dict) -> dict:
     from minipic.protocol import SpanProtocol
 
     protocol = SpanProtocol.from_dict(spec["markers"])
-    words = bench_ttft.random_words(random.Random(spec["seed"]), spec["arch"])
+    words = random_words(random.Random(spec["seed"]), spec["arch"])
     config = CONFIGS["3"] if spec["minipic"] else CONFIGS["2"]
     args, _ = engine_args(spec, config, 256)
     llm = LLM(**args)
@@ -548,7 +551,7 @@ def disk_tier_spec(spec: dict, run: Run, args, base: dict, work: Path) -> dict:
                          f"limit ({limit / 2**30:.0f} GiB) or 90% of the free disk "
                          f"({free / 2**30:.0f} GiB): use fewer --samples or a higher repeat rate"}
     return dict(spec, store=str(store), disk_max_bytes=limit, store_bytes_estimate=needed,
-                cpu_bytes=bench_ttft.gib(args.cpu_gb))
+                cpu_bytes=gib(args.cpu_gb))
 
 
 def store_summary(store: str) -> dict:
@@ -654,7 +657,7 @@ def figure2(args, base: dict, work: Path) -> None:
                                          args.repeats, args.eager,
                                          save=lambda phases: (out.update(ttft=phases), save()),
                                          disk_phases=args.disk_phases,
-                                         cpu_bytes=bench_ttft.gib(args.cpu_gb))
+                                         cpu_bytes=gib(args.cpu_gb))
     if "preload" in args.parts:
         engine = dict(base["engine"], max_model_len=max(args.lengths) + 64)
         out["preload"] = [run_child(dict(base, engine=engine, kind="preload", name=f"preload {impl}",
@@ -754,7 +757,7 @@ def parse_args() -> argparse.Namespace:
                          "document); configs 1-3 run the plain prompt either way")
     t1.add_argument("--warmup", type=int, default=64, help="samples run before timing")
     t1.add_argument("--max-num-seqs", type=int, default=1024, help="configs 1-4 and 6")
-    t1.add_argument("--isps-seqs", type=bench_ttft.int_list, default=[64, 1024, 2048])
+    t1.add_argument("--isps-seqs", type=int_list, default=[64, 1024, 2048])
     t1.add_argument("--batch-size", type=int, default=64, help="config 4's barrier batch")
     t1.add_argument("--max-batched-tokens", type=int,
                     help="vLLM's max_num_batched_tokens (default 16384; vLLM's own on tiny)")
@@ -768,12 +771,11 @@ def parse_args() -> argparse.Namespace:
 
     f2 = commands.add_parser("figure2", parents=[common], help="TTFT and preload times")
     f2.add_argument("--parts", default="preload,ttft")
-    f2.add_argument("--disk-phases", type=bench_ttft.disk_phase_list,
-                    default=bench_ttft.DEFAULT_DISK_PHASES,
+    f2.add_argument("--disk-phases", type=disk_phase_list, default=DEFAULT_DISK_PHASES,
                     help="bench_ttft.py's disk phases for the TTFT panel")
-    f2.add_argument("--doc-counts", type=bench_ttft.int_list, default=[1, 2, 5, 10, 20, 30, 40])
+    f2.add_argument("--doc-counts", type=int_list, default=[1, 2, 5, 10, 20, 30, 40])
     f2.add_argument("--doc-tokens", type=int, default=1000)
-    f2.add_argument("--lengths", type=bench_ttft.int_list,
+    f2.add_argument("--lengths", type=int_list,
                     default=[1000, 2000, 4000, 8000, 16000, 32000])
     f2.add_argument("--repeats", type=int, default=3)
     f2.set_defaults(func=figure2)
@@ -821,7 +823,7 @@ def main() -> None:
     if hasattr(args, "parts"):
         args.parts = args.parts.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        model, engine, markers = bench_ttft.make_model(args.arch, Path(tmp))
+        model, engine, markers = make_model(args.arch, Path(tmp))
         engine["enforce_eager"] = engine.get("enforce_eager", False) or args.eager
         if args.command == "table1":
             engine["max_model_len"] = TABLE1_MAX_MODEL_LEN

@@ -1,0 +1,81 @@
+"""What the GPU/CPU benchmarks share to set up engines and inputs: the model, its token ids,
+the connector's options and the command-line parsers of sizes, lists and disk phases.
+
+tools/bench_ttft.py and tools/bench_rag.py both use it, so that a benchmark script does not
+import another one, and both build the same engine and the same kind of prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+TINY_MARKERS = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5, "link_token_id": 6}
+
+DEFAULT_DISK_PHASES = ["warm:4"]
+
+
+def make_model(arch: str, root: Path) -> tuple[str, dict, dict]:
+    """Model dir, engine kwargs and marker ids for the chosen architecture."""
+    if arch == "tiny":
+        from minipic.devtools.tiny_llama import build_tiny_llama
+
+        path = build_tiny_llama(root / "tiny")
+        return str(path), dict(dtype="float32", block_size=32, enforce_eager=True,
+                               gpu_memory_utilization=0.1, max_model_len=4096), TINY_MARKERS
+    from minipic.devtools import llama3_8b
+
+    path = llama3_8b.write_config(root / "llama3-8b")
+    return str(path), dict(dtype="bfloat16", block_size=16, load_format="dummy",
+                           skip_tokenizer_init=True, gpu_memory_utilization=0.85,
+                           max_model_len=32768), llama3_8b.MARKERS
+
+
+def connector_extra(arch: str, store: str, markers: dict, cpu_bytes: int | None = None) -> dict:
+    """MiniPICConnector options. The 8B model gets an 8 GiB CPU tier unless told otherwise:
+    4 steps of 16384 tokens, so that span bursts reach the store whole (minipic's
+    cpu_tier_sizing warns below 2 steps; the 2 GiB default drops stores at this size). A
+    prompt's loads pass through the tier too: 40 documents of 1000 tokens need 5 GiB of it."""
+    extra = {"store_dir": store, **markers}
+    if cpu_bytes or arch == "llama3-8b":
+        extra["cpu_bytes"] = cpu_bytes or 8 << 30
+    return extra
+
+
+def random_words(rng: random.Random, arch: str):
+    """n random ordinary token ids (above every special and marker id of either model)."""
+    vocab = 400 if arch == "tiny" else 120000
+    return lambda n: [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def gib(size: float | None) -> int | None:
+    return int(size * 2**30) if size else None
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def split_disk_phase(spec: str) -> tuple[str, str, list[str]]:
+    """`warm:4` -> ("warm", "4", []), `warm:16:0` -> ("warm", "16", ["0"]): kind, read threads
+    and reader processes (tools/bench_ttft.py's docstring says what they mean). The numbers
+    stay text, so that a phase's name is the spec as written."""
+    kind, *numbers = spec.split(":")
+    if kind not in ("warm", "cold") or len(numbers) not in (1, 2) \
+            or not all(x.isdigit() for x in numbers):
+        raise argparse.ArgumentTypeError(
+            f"bad disk phase {spec!r}: warm|cold:THREADS[:PROCESSES]")
+    threads, *processes = numbers
+    return kind, threads, processes
+
+
+def disk_phase_list(text: str) -> list[str]:
+    """`warm:4,cold:16`, checked while parsing: a typo fails now, not after the first phases;
+    `none`: no disk phase."""
+    if text == "none":
+        return []
+    specs = text.split(",")
+    for spec in specs:
+        split_disk_phase(spec)
+    return specs
