@@ -7,7 +7,8 @@ added (eager; compiled, see below). Any other batch turns its new keys
 back into their frames before the cache write (attention.links) and runs minipic's
 Triton kernel (`triton_kernel.unified_attention_rope`) over the same paged cache: it
 turns keys forward by their frame offsets per tile and applies the span and EPIC
-link rules (and with mask_markers hides marker and padding keys). Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
+link rules (with mask_markers it also hides marker and padding keys). Two stock
+bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
     models: what stock vLLM picks there;
   * vLLM's Triton backend otherwise (fp32 models, older GPUs).
@@ -65,8 +66,10 @@ class SpanBatchBuilder:
     """Mixed in before a vLLM metadata builder: its metadata plus, for batches with
     markers, what the span kernel needs (span_layout.py).
 
-    Sets on the metadata: `minipic_tables` (a SpanLayout of this batch, on the device)
-    or None for a batch without markers, `minipic_token_shift` (the Q turn-backs of link
+    Sets on the metadata: `minipic_tables` (the per block tables of this batch's
+    SpanLayout, on the device) or None for a batch without markers,
+    `minipic_quiet_bits` (mask_markers: triton_kernel.quiet_words, else None),
+    `minipic_token_shift` (the Q turn-backs of link
     tokens, a rotation.Rotation, None without links), `minipic_key_turn` (the K
     turn-backs before the cache write, None when all are 0), `minipic_span_block_size`,
     and the kernel's split-KV scratch (`minipic_segments`, `minipic_seq_threshold_3d`)."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from minipic.attention.rope import current_rope
-from minipic.attention.rotation import Rotation, turning_back
+from minipic.attention.rotation import Rotation
 
 
 def batch_metadata(layer) -> Any:
@@ -37,8 +37,8 @@ def token_turns(amounts: torch.Tensor | None, device: torch.device) -> Rotation 
     if amounts is None:
         return None
     rope = current_rope()
-    return turning_back(amounts.to(device, non_blocking=True), rope.cos_sin(device),
-                        rope.rotary_dim, rope.is_neox_style)
+    return Rotation.back(amounts.to(device, non_blocking=True), rope.cos_sin(device),
+                         rope.rotary_dim, rope.is_neox_style)
 
 
 def turn_back_tokens(x: torch.Tensor, turns: Rotation | None) -> torch.Tensor:

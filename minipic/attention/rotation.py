@@ -30,14 +30,20 @@ class Rotation:
         cos, sin = cos_sin.index_select(0, positions.abs()).float().chunk(2, dim=-1)
         # R(-p) = (cos p, -sin p): a negative position turns the other way (mask_markers
         # reads a span at the prompt's start from one position before it, see span_layout).
-        negative = (positions < 0)[:, None]
+        flip = (positions < 0)[:, None]
         if backwards:
-            negative = ~negative
-        sin = torch.where(negative, -sin, sin)
+            flip = ~flip
+        sin = torch.where(flip, -sin, sin)
         if pure:
             scale = cos_sin[0, : cos.shape[-1]].float()  # row 0 is (a, 0): a = 1 without mscale
             cos, sin = cos / scale, sin / scale
         return cls(cos, sin, rotary_dim, is_neox_style)
+
+    @classmethod
+    def back(cls, shifts: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
+             is_neox_style: bool) -> Rotation:
+        """The pure rotation by -shifts (see turn_back), to apply at every layer."""
+        return cls.at(shifts, cos_sin, rotary_dim, is_neox_style, backwards=True, pure=True)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """`x` [tokens, ..., head_size] rotated (fp32); dimensions past rotary_dim pass."""
@@ -70,10 +76,4 @@ def turn_back(x: torch.Tensor, shifts: torch.Tensor, cos_sin: torch.Tensor, rota
 
     A pure rotation: a table that folds a scale into its rows (a*cos, a*sin, as YaRN's
     mscale does; row 0 is then (a, 0)) has it divided out, so x keeps its norm."""
-    return rotate(x, shifts, cos_sin, rotary_dim, is_neox_style, backwards=True, pure=True)
-
-
-def turning_back(shifts: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
-                 is_neox_style: bool) -> Rotation:
-    """turn_back's rotation, to apply at every layer."""
-    return Rotation.at(shifts, cos_sin, rotary_dim, is_neox_style, backwards=True, pure=True)
+    return Rotation.back(shifts, cos_sin, rotary_dim, is_neox_style).apply(x)

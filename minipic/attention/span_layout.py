@@ -116,7 +116,7 @@ class SpanLayout:
     frame_offset: torch.Tensor
     links_end: torch.Tensor | None = None  # [reqs] int32; None: zeros (no links)
     link_tokens: torch.Tensor | None = None
-    # With mask_markers only (CPU), [reqs, tokens]: marker and padding keys, which no
+    # With mask_markers only, [reqs, tokens]: marker and padding keys, which no
     # query but their own sees (quiet), and where every token stands when markers and
     # padding take no room (logical, see logical_positions); [reqs, blocks]: how far
     # each block's stored keys are turned forward when read (read_offset; None: by
@@ -208,8 +208,9 @@ def _carried_span_block(block, last_index, is_ssep, is_link, in_link) -> torch.T
     return torch.where(in_link, carried.clamp(max=num_blocks), block)
 
 
-def _token_rows(num_reqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The batch's token-id rows [reqs, max_len] (prompt and output), and prompt lengths."""
+def _token_rows(num_reqs: int, width: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch's token-id rows [reqs, width or max_model_len] (prompt and output), and
+    prompt lengths."""
     runner = _runner()
     if runner is None:
         return None
@@ -220,9 +221,9 @@ def _token_rows(num_reqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         states = runner.req_states
         # prompt_len, not prefill_len: after a preemption prefill_len includes generated
         # tokens, which never start a span (the hasher counts prompt tokens only).
-        return states.all_token_ids.gpu[rows], states.prompt_len.gpu[rows]
+        return states.all_token_ids.gpu[rows, :width], states.prompt_len.gpu[rows]
     batch = runner.input_batch
-    return (batch.token_ids_cpu_tensor[:num_reqs],
+    return (batch.token_ids_cpu_tensor[:num_reqs, :width],
             torch.from_numpy(batch.num_prompt_tokens[:num_reqs]))
 
 
@@ -233,19 +234,18 @@ def quiet_keys(tokens: torch.Tensor, protocol: SpanProtocol) -> torch.Tensor:
     return torch.isin(tokens, ids)
 
 
-def current_layout(num_reqs: int, block_size: int, num_tokens: int | None = None
+def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = None
                    ) -> SpanLayout | None:
     """The SpanLayout of the batch being built; None if unknown (dummy runs).
 
-    `num_tokens`: the batch's longest sequence. The runner's token rows are
-    max_model_len wide; the layout needs its blocks only (mask_markers' per token
-    tables would otherwise cost max_model_len per request, every step)."""
-    found = _token_rows(num_reqs)
+    `max_seq_len`: the batch's longest sequence (or a bound on it). The runner's token
+    rows are max_model_len wide; the layout needs the batch's blocks only (mask_markers'
+    per token tables would otherwise cost max_model_len per request, every step)."""
+    width = None if max_seq_len is None else -(-max_seq_len // block_size) * block_size
+    found = _token_rows(num_reqs, width)
     if found is None:
         return None
     tokens, prompt_lens = found
-    if num_tokens is not None:
-        tokens = tokens[:, : -(-num_tokens // block_size) * block_size]
     layout = span_layout(tokens[:, ::block_size], _protocol, block_size, prompt_lens)
     if _mask_markers:
         take_no_room(layout, quiet_keys(tokens, _protocol), block_size)
@@ -314,8 +314,6 @@ def token_shifts(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[
     if layout.logical is not None:
         return _per_token_turn(_index(layout.logical) - layout.logical, query_start_loc,
                                seq_lens)
-    if not layout.has_links():
-        return None
     return _nonzero(per_query_token(layout.shift, query_start_loc, seq_lens, block_size))
 
 
@@ -346,8 +344,9 @@ def _per_token_turn(turn: torch.Tensor, query_start_loc: list[int],
 
 
 def _nonzero(turns: torch.Tensor) -> torch.Tensor | None:
-    """`turns`, or None when all are 0: the layers then skip the rotation.
-    Layouts are built on the host, so the check reads no device memory."""
+    """`turns`, or None when all are 0: the layers then skip the rotation. One host
+    read (a device sync under Model Runner V2, whose token rows live on the GPU) saves
+    a rotation in every layer."""
     return turns if bool(turns.any()) else None
 
 

@@ -102,12 +102,15 @@ def _load_k_tile(j, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2,
 def _frame_cos_sin(frame_offset_ptr, span_row, offs_t, t_mask, cos_sin_ptr, offs_r, r_mask,
                    cos_sin_stride, inv_a, SPAN_BLOCK: tl.constexpr, ROT_HALF: tl.constexpr):
     """cos and sin of the frame offsets of keys `offs_t`, each (ROT_HALF_PADDED, TILE_SIZE)
-    fp32, the table's scale divided out (a pure rotation)."""
+    fp32, the table's scale divided out (a pure rotation). An offset may be negative
+    (mask_markers reads a span at the prompt's start from one before it): R(-p) is
+    (cos p, -sin p), so the table's row |p| with sin flipped."""
     offset = tl.load(frame_offset_ptr + span_row + offs_t // SPAN_BLOCK, mask=t_mask, other=0)
     mask = r_mask[:, None] & t_mask[None, :]
-    cs = cos_sin_ptr + offset[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
+    cs = cos_sin_ptr + tl.abs(offset)[None, :].to(tl.int64) * cos_sin_stride + offs_r[:, None]
+    sin = tl.load(cs + ROT_HALF, mask=mask, other=0.0) * inv_a[:, None]
     return (tl.load(cs, mask=mask, other=0.0) * inv_a[:, None],
-            tl.load(cs + ROT_HALF, mask=mask, other=0.0) * inv_a[:, None])
+            tl.where((offset < 0)[None, :], -sin, sin))
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilde
 
 from minipic.attention import cuda_backend as fb  # noqa: E402
 from minipic.attention import rope as rope_registry  # noqa: E402
-from minipic.attention.rotation import turning_back  # noqa: E402
+from minipic.attention.rotation import Rotation  # noqa: E402
 from minipic.devtools.paged_attention_case import marker_layout, rope_table  # noqa: E402
 
 BLOCK = 16
@@ -44,8 +44,8 @@ def rope():
 
 def turns(amounts: list[int]):
     """The rotation turning tokens back by `amounts`, as the builder should hand it."""
-    return turning_back(torch.tensor(amounts), rope_table(ROTARY_DIM, MAX_BLOCKS * BLOCK),
-                        ROTARY_DIM, True)
+    return Rotation.back(torch.tensor(amounts), rope_table(ROTARY_DIM, MAX_BLOCKS * BLOCK),
+                         ROTARY_DIM, True)
 
 
 def same_turns(rotation, amounts: list[int]) -> bool:
@@ -67,8 +67,11 @@ def builder(monkeypatch, request):
 
 
 def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_lens: list[int]):
-    monkeypatch.setattr(fb, "current_layout", lambda num_reqs, block_size, num_tokens:
-                        marker_layout(markers, MAX_BLOCKS, BLOCK))
+    def layout_of_batch(num_reqs, block_size, max_seq_len):
+        assert max_seq_len == max(seq_lens)  # the layout covers the batch's sequences
+        return marker_layout(markers, MAX_BLOCKS, BLOCK)
+
+    monkeypatch.setattr(fb, "current_layout", layout_of_batch)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     common = SimpleNamespace(num_reqs=len(seq_lens), query_start_loc=starts,
                              query_start_loc_cpu=starts,

@@ -205,9 +205,11 @@ def test_logical_positions_of_a_whole_batch_at_once():
                            _logical_one_row_at_a_time(found, quiet, 4))
 
 
-def test_the_layout_covers_the_batchs_sequences_not_max_model_len():
+def test_the_layout_covers_the_batchs_sequences_not_max_model_len(monkeypatch):
     """The runner's token rows are max_model_len wide; per token tables (mask_markers)
     used to be that wide for every request of every step."""
+    import weakref
+
     from minipic.attention import span_layout as sl
 
     class Runner:  # the V1 runner's token table, 4096 wide
@@ -218,10 +220,8 @@ def test_the_layout_covers_the_batchs_sequences_not_max_model_len():
     rows[:, [0, 32]] = torch.tensor([3, 4])  # SSep span, then the PDep task
     runner.input_batch.token_ids_cpu_tensor = rows
     runner.input_batch.num_prompt_tokens = torch.tensor([70, 40]).numpy()
-    sl.register_runner(runner, P, mask_markers=True)
-    try:
-        found = sl.current_layout(2, 32, num_tokens=70)
-        assert found.span_of.shape == (2, 3) and found.quiet.shape == (2, 96)
-    finally:
-        sl.register_runner(runner, P, mask_markers=False)
-        del runner
+    for name, value in (("_runner", weakref.ref(runner)), ("_protocol", P),
+                        ("_mask_markers", True)):
+        monkeypatch.setattr(sl, name, value)  # what register_runner sets, undone after
+    found = sl.current_layout(2, 32, max_seq_len=70)
+    assert found.span_of.shape == (2, 3) and found.quiet.shape == (2, 96)

@@ -317,8 +317,10 @@ def _quiet_tokens(markers: str, seq_len: int, pads: int):
 def _run_backend_mask_markers() -> float | str:
     """Child process: mask_markers through MiniPICFlashMetadataBuilder.build, the KV cache
     write and forward, for the EPIC hit (header and spans cached, links and task
-    computed) and a decode past its links, against attention at the tokens' logical
-    positions under span_layout.visible_keys with quiet keys (the torch backend's rules)."""
+    computed), a decode past its links, and a task after a span at the prompt's start
+    (read from one before it: a negative frame offset), against attention at the tokens'
+    logical positions under span_layout.visible_keys with quiet keys (the torch
+    backend's rules)."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -338,12 +340,12 @@ def _run_backend_mask_markers() -> float | str:
     from minipic.attention.span_layout import quiet_keys, span_layout, take_no_room, visible_keys
     from minipic.devtools.paged_attention_case import MARKERS, make_case, relative_error
 
-    markers = [LINKS, "-S-S-LP"]
-    case = make_case([42, 1], [80, 100], num_q_heads=4, num_kv_heads=2, head_size=32,
+    markers = [LINKS, "-S-S-LP", "S--P"]
+    case = make_case([42, 1, 5], [80, 100, 50], num_q_heads=4, num_kv_heads=2, head_size=32,
                      dtype=torch.float32, markers=markers, seed=13)
     bs, dim, seq_lens = case.block_size, 32, case.seq_lens.tolist()
     width = case.block_table.shape[1] * bs
-    tokens = torch.full((2, width), 9)
+    tokens = torch.full((len(markers), width), 9)
     for i, (row, n) in enumerate(zip(markers, seq_lens)):
         tokens[i, :n] = _quiet_tokens(row.ljust(-(-n // bs), "-"), n, pads=3 + 2 * i)
     layout = span_layout(tokens[:, ::bs], MARKERS, bs, torch.tensor(seq_lens))
@@ -365,8 +367,8 @@ def _run_backend_mask_markers() -> float | str:
         builder.block_size, builder.device = bs, torch.device("cpu")
         builder.segments = tk.segment_buffers(64, 4, dim, "cpu")
         builder.seq_threshold_3d = 8
-        fb.current_layout = lambda num_reqs, block_size, num_tokens: layout
-        return builder.build(0, SimpleNamespace(num_reqs=2, query_start_loc=starts,
+        fb.current_layout = lambda num_reqs, block_size, max_seq_len: layout
+        return builder.build(0, SimpleNamespace(num_reqs=len(markers), query_start_loc=starts,
                                                 query_start_loc_cpu=starts,
                                                 seq_lens=case.seq_lens,
                                                 max_seq_len=max(seq_lens)))
