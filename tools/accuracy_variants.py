@@ -25,6 +25,11 @@ Variants:
                    sequence the task sees
 
     python tools/accuracy_variants.py --questions 100 --variants stock,epic1,epic1_header
+
+`--against VARIANT=RECORDS` instead checks the reference against a real engine: for the
+questions `--ids`, the first answer token's logprobs of the variant's layout against the
+top 10 that tools/bench_accuracy.py recorded for the same final prompt (e.g.
+epic1_noroom=docs/results/accuracy/links_no_room/records-epic-noroom.jsonl.gz).
 """
 
 from __future__ import annotations
@@ -164,6 +169,44 @@ def score(model, built: Layout, gold: list[int]) -> dict:
             "gold_logprob": float(logprobs[torch.arange(g), torch.tensor(gold)].sum())}
 
 
+@torch.no_grad()
+def first_token_logprobs(model, built: Layout) -> torch.Tensor:
+    """[vocab] logprobs of the token after the prompt, under the layout's mask and positions."""
+    n = len(built.tokens)
+    mask = torch.zeros(1, 1, n, n).masked_fill(~built.allowed, torch.finfo(torch.float32).min)
+    logits = model(torch.tensor([built.tokens]), attention_mask=mask,
+                   position_ids=built.positions[None]).logits[0, -1]
+    return logits.log_softmax(-1)
+
+
+def check_against_records(model, tokenizer, protocol: SpanProtocol, pairs: list[str],
+                          ids: list[int]) -> float:
+    """Print, per question and VARIANT=RECORDS pair, the largest logprob difference over
+    the engine's recorded top 10; returns the largest of all."""
+    from minipic.devtools.accuracy_records import read_records
+
+    questions = make_questions(max(ids) + 1)
+    worst = 0.0
+    for pair in pairs:
+        variant, path = pair.split("=", 1)
+        records = {r["id"]: r for r in read_records(Path(path))}
+        for i in ids:
+            if i not in records:
+                print(f"question {i}: no record in {path}")
+                continue
+            built = build(variant, questions[i], tokenizer, protocol)
+            if len(built.tokens) != records[i]["prompt_len"]:
+                raise SystemExit(f"question {i}: {variant} builds {len(built.tokens)} tokens, "
+                                 f"the engine's prompt had {records[i]['prompt_len']}")
+            logprobs = first_token_logprobs(model, built)
+            top = records[i]["topk"][:10]
+            diff = max(abs(float(logprobs[t]) - lp) for t, lp in top)
+            worst = max(worst, diff)
+            print(f"question {i} {variant}: max |logprob difference| over the engine's top 10 "
+                  f"{diff:.2e}, argmax {int(logprobs.argmax())} (engine {top[0][0]})")
+    return worst
+
+
 def gold_tokens(tokenizer, question) -> list[int]:
     """The gold answer's tokens as they follow the task (" Portbury.")."""
     _, _, task = chat_parts(tokenizer, question)
@@ -179,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=100)
     parser.add_argument("--variants", default="stock,layout_causal,epic1,epic1_header")
     parser.add_argument("--out", type=Path, default=Path("accuracy_variants.json"))
+    parser.add_argument("--against", action="append", default=[], metavar="VARIANT=RECORDS",
+                        help="check the reference against bench_accuracy's records instead")
+    parser.add_argument("--ids", default="0,1,2", help="questions for --against")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -187,6 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
     protocol = SpanProtocol(**smollm2_protocol())
+    if args.against:
+        ids = [int(i) for i in args.ids.split(",")]
+        worst = check_against_records(model, tokenizer, protocol, args.against, ids)
+        print(f"largest difference {worst:.2e}")
+        return
     variants = args.variants.split(",")
     results = {v: [] for v in variants}
     start = time.time()

@@ -143,3 +143,20 @@ def test_records_after_a_cut_member_are_read(tmp_path):
     with gzip.open(path, "at") as out:  # the resumed run's member
         out.write("".join(json.dumps(_record(i, True)) + "\n" for i in range(3, 6)))
     assert [r["id"] for r in bench_accuracy.read_records(path)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_every_member_of_a_long_resumed_run_is_read(tmp_path):
+    """Whole members, the first longer than the reader's chunk: the next member was looked
+    for where the last chunk ended, not where the member did, and the rest was lost (a
+    500-question run read back as 384)."""
+    import random
+
+    rng = random.Random(0)
+    path = tmp_path / "records-epic.jsonl.gz"
+    for lo, hi in ((0, 300), (300, 320)):  # a run, then its --resume
+        with gzip.open(path, "at") as out:
+            for i in range(lo, hi):
+                record = _record(i, True)
+                record["scores"] = [rng.random() for _ in range(20)]  # compresses poorly
+                out.write(json.dumps(record) + "\n")
+    assert [r["id"] for r in bench_accuracy.read_records(path)] == list(range(320))
