@@ -429,7 +429,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _complete(path: Path, questions: int) -> bool:
-    return len(read_records(path)) == questions
+    """Whether the file answers questions 0..questions-1 (a longer run's file does: a
+    200-question run reuses, and never overwrites, stock's 500)."""
+    return set(range(questions)) <= {r["id"] for r in read_records(path)}
 
 
 def paired_questions(records: dict[str, list[dict[str, Any]]], asked: int) -> set[int]:

@@ -160,3 +160,21 @@ def test_every_member_of_a_long_resumed_run_is_read(tmp_path):
                 record["scores"] = [rng.random() for _ in range(20)]  # compresses poorly
                 out.write(json.dumps(record) + "\n")
     assert [r["id"] for r in bench_accuracy.read_records(path)] == list(range(320))
+
+
+def test_a_shorter_run_reuses_a_longer_runs_records(tmp_path, monkeypatch):
+    """--resume with fewer questions than stock's file holds: stock is not run again (its
+    500 records used to be replaced by a new run of 200)."""
+    for name, n in (("records-stock.jsonl.gz", 6), ("records-epic.jsonl.gz", 4)):
+        with gzip.open(tmp_path / name, "wt") as out:
+            out.write("".join(json.dumps(_record(i, i % 2 == 0)) + "\n" for i in range(n)))
+
+    def no_run(*args):
+        raise AssertionError("a method with every asked question answered was run again")
+
+    monkeypatch.setattr(bench_accuracy, "run_child", no_run)
+    bench_accuracy.main(["--questions", "4", "--methods", "stock,epic", "--out", str(tmp_path),
+                         "--resume", "--model", "unused"])
+    summary = json.loads((tmp_path / "accuracy-4.json").read_text())
+    assert summary["meta"]["questions"] == 4
+    assert len(bench_accuracy.read_records(tmp_path / "records-stock.jsonl.gz")) == 6
