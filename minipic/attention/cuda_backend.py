@@ -69,10 +69,10 @@ class SpanBatchBuilder:
     Sets on the metadata: `minipic_tables` (the per block tables of this batch's
     SpanLayout, on the device) or None for a batch without markers,
     `minipic_quiet_bits` (mask_markers: triton_kernel.quiet_words, else None),
-    `minipic_token_shift` (the Q turn-backs of link
-    tokens, a rotation.Rotation, None without links), `minipic_key_turn` (the K
-    turn-backs before the cache write, None when all are 0), `minipic_span_block_size`,
-    and the kernel's split-KV scratch (`minipic_segments`, `minipic_seq_threshold_3d`)."""
+    `minipic_token_shift` (the Q turn-backs of link tokens, a rotation.Rotation, None
+    without links), `minipic_key_turn` (the K turn-backs before the cache write, None
+    when all are 0), `minipic_span_block_size`, and the kernel's split-KV scratch
+    (`minipic_segments`, `minipic_seq_threshold_3d`)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
