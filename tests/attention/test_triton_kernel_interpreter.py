@@ -232,7 +232,7 @@ def _run_backend_links() -> float | str:
     from minipic.attention import rope as rope_registry
     from minipic.attention.links import token_turns
     from minipic.attention.rotation import rotate
-    from minipic.attention.span_layout import key_turn_backs, token_shifts, visible_keys
+    from minipic.attention.span_layout import key_turn_backs, token_shifts
     from minipic.devtools.paged_attention_case import make_case, relative_error
 
     # the EPIC hit (links and task computed over cached header and spans), a decode in a link
@@ -276,22 +276,36 @@ def _run_backend_links() -> float | str:
     out = torch.full_like(query, float("nan"))
     impl.forward(None, query, None, None, torch.stack((k_cache, case.v_cache), dim=1), md, out)
 
-    ref = torch.empty(query.shape, dtype=torch.float64)
+    logical = []
     for i, n in enumerate(seq_lens):
-        logical = torch.arange(n) - shift[i]
-        logical[int(layout.links_end[i]):] -= int(layout.link_tokens[i])  # links take no room
+        logical.append(torch.arange(n) - shift[i])
+        logical[i][int(layout.links_end[i]):] -= int(layout.link_tokens[i])  # links take no room
+    return relative_error(out, _logical_reference(case, layout, q_raw, k_raw, logical))
+
+
+def _logical_reference(case, layout, q_raw, k_raw, logical):
+    """fp64 attention with each request's Q and K rotated at its tokens' logical positions
+    (`logical`, per request) under span_layout.visible_keys: no turn-back anywhere."""
+    import torch
+
+    from minipic.attention.rotation import rotate
+    from minipic.attention.span_layout import visible_keys
+
+    bs, starts = case.block_size, case.cu_seqlens_q.tolist()
+    groups = case.q.shape[1] // case.k_cache.shape[2]
+    ref = torch.empty(q_raw.shape, dtype=torch.float64)
+    for i, n in enumerate(case.seq_lens.tolist()):
         q_len = case.query_lens[i]
-        q = rotate(q_raw[starts[i]: starts[i + 1]], logical[n - q_len:], case.cos_sin,
+        q = rotate(q_raw[starts[i]: starts[i + 1]], logical[i][n - q_len:], case.cos_sin,
                    case.rotary_dim, case.is_neox).double()
-        k = rotate(k_raw[i], logical, case.cos_sin, case.rotary_dim, case.is_neox).double()
+        k = rotate(k_raw[i], logical[i], case.cos_sin, case.rotary_dim, case.is_neox).double()
         v = case.v_cache[case.block_table[i, torch.arange(n) // bs].long(),
                          torch.arange(n) % bs].double()
-        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
-        visible = visible_keys(layout, i, n, q_len, bs)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.masked_fill(~visible_keys(layout, i, n, q_len, bs), float("-inf"))
         ref[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return relative_error(out, ref)
+    return ref
 
 
 def _quiet_tokens(markers: str, seq_len: int, pads: int):
@@ -337,7 +351,7 @@ def _run_backend_mask_markers() -> float | str:
     from minipic.attention import rope as rope_registry
     from minipic.attention import triton_kernel as tk
     from minipic.attention.rotation import rotate
-    from minipic.attention.span_layout import quiet_keys, span_layout, take_no_room, visible_keys
+    from minipic.attention.span_layout import quiet_keys, span_layout, take_no_room
     from minipic.devtools.paged_attention_case import MARKERS, make_case, relative_error
 
     markers = [LINKS, "-S-S-LP", "S--P"]
@@ -394,7 +408,6 @@ def _run_backend_mask_markers() -> float | str:
         k_cache[case.block_table[i, torch.arange(n) // bs].long(), torch.arange(n) % bs] = rows
 
     md = build(case.query_lens)  # this step's queries
-    starts = case.cu_seqlens_q.tolist()
     q_raw = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(5))
     physical = torch.cat([torch.arange(c, c + q) for q, c in zip(case.query_lens,
                                                                    case.context_lens)])
@@ -402,19 +415,8 @@ def _run_backend_mask_markers() -> float | str:
     out = torch.full_like(query, float("nan"))
     impl.forward(None, query, None, None, torch.stack((k_cache, case.v_cache), dim=1), md, out)
 
-    ref = torch.empty(query.shape, dtype=torch.float64)
-    for i, n in enumerate(seq_lens):
-        logical, q_len = layout.logical[i, :n], case.query_lens[i]
-        q = rotate(q_raw[starts[i]: starts[i + 1]], logical[n - q_len:], case.cos_sin,
-                   case.rotary_dim, case.is_neox).double()
-        k = rotate(k_raw[i], logical, case.cos_sin, case.rotary_dim, case.is_neox).double()
-        v = case.v_cache[case.block_table[i, torch.arange(n) // bs].long(),
-                         torch.arange(n) % bs].double()
-        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
-        scores = scores.masked_fill(~visible_keys(layout, i, n, q_len, bs), float("-inf"))
-        ref[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return relative_error(out, ref)
+    logical = [layout.logical[i, :n] for i, n in enumerate(seq_lens)]
+    return relative_error(out, _logical_reference(case, layout, q_raw, k_raw, logical))
 
 
 @pytest.fixture(scope="module")
