@@ -188,11 +188,11 @@ def run_method(args) -> None:
                for q in questions]
     out_path = Path(args.records)
     partial = partial_path(out_path)
-    done = {r["id"] for r in read_records(partial)} if args.resume else set()
+    kept = resumed_records(out_path) if args.resume else []
+    done = {r["id"] for r in kept}
     todo = [(q, pr) for q, pr in zip(questions, prompts) if q.id not in done]
     llm = LLM(**engine_config(args.method, args.model, args.block_size, args.topk, options))
     started = time.monotonic()
-    kept = read_records(partial) if args.resume else []
     with gzip.open(partial, "wt") as out:  # a cut member from a kill is not appended to
         for record in kept:
             out.write(json.dumps(record) + "\n")
@@ -426,6 +426,14 @@ def main(argv: list[str] | None = None) -> None:
                                                       indent=1) + "\n")
     (args.out / f"{name}.md").write_text(markdown(summary, meta))
     print(markdown(summary, meta))
+
+
+def resumed_records(records: Path) -> list[dict[str, Any]]:
+    """What --resume keeps: a partial run's records, and a finished shorter run's (a
+    500-question run after a 200-question one continues at 200), one per question."""
+    by_id = {r["id"]: r for r in read_records(records)}
+    by_id.update((r["id"], r) for r in read_records(partial_path(records)))
+    return sorted(by_id.values(), key=lambda r: r["id"])
 
 
 def _complete(path: Path, questions: int) -> bool:

@@ -178,3 +178,16 @@ def test_a_shorter_run_reuses_a_longer_runs_records(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "accuracy-4.json").read_text())
     assert summary["meta"]["questions"] == 4
     assert len(bench_accuracy.read_records(tmp_path / "records-stock.jsonl.gz")) == 6
+
+
+def test_a_longer_run_continues_a_finished_shorter_one(tmp_path):
+    """--resume for 500 questions after a finished 200-question run keeps its records (it
+    used to read the partial file only, and start again from question 0)."""
+    records = tmp_path / "records-epic2.jsonl.gz"
+    with gzip.open(records, "wt") as out:
+        out.write("".join(json.dumps(_record(i, True)) + "\n" for i in range(3)))
+    with gzip.open(bench_accuracy.partial_path(records), "wt") as out:  # a later run, cut
+        out.write("".join(json.dumps(_record(i, False)) + "\n" for i in (2, 3)))
+    kept = bench_accuracy.resumed_records(records)
+    assert [r["id"] for r in kept] == [0, 1, 2, 3]
+    assert [r["match"] for r in kept] == [True, True, False, False]  # the partial is newer
