@@ -79,7 +79,8 @@ def test_request_recipe_override_and_default():
 
 
 def test_bad_recipe_option_is_refused_at_start(tiny_model):
-    with pytest.raises(ValueError, match="minipic.recipe must be one of 'epic', 'block_attention'"):
+    with pytest.raises(ValueError,
+                       match="minipic.recipe must be one of 'epic', 'epic2', 'block_attention'"):
         start_llm(tiny_model, additional_config={"minipic": {"recipe": "blockattention"}})
 
 
@@ -99,3 +100,20 @@ def test_vllm_without_the_hook_points_logs_and_loads(monkeypatch, caplog, missin
     monkeypatch.setattr(logging.getLogger("vllm.minipic"), "propagate", True)
     getattr(_vllm_patches, patch)()
     assert logged in caplog.text
+
+
+def test_every_server_recipe_has_its_builder():
+    """epic2: each document's first two blocks recomputed in context."""
+    from minipic.config import SERVER_RECIPES
+    from minipic.serving.chat_documents import RECIPE_BUILDERS
+
+    assert set(RECIPE_BUILDERS) == set(SERVER_RECIPES)
+    header, task = [1, 7, 8], [9, 10, 11]
+    long_doc = " ".join(["a"] * 9)  # 9 tokens: three blocks of 4 with its SSep
+    prompt = build_span_prompt(header, header + task, [long_doc], tokenizer=WordTokenizer(),
+                               protocol=PROTOCOL, block_size=4, recipe="epic2")
+    assert prompt.final == epic([[101] * 9], task, system=header, protocol=PROTOCOL,
+                                block_size=4, recompute_blocks=2).final
+    assert prompt.final != build_span_prompt(header, header + task, [long_doc],
+                                             tokenizer=WordTokenizer(), protocol=PROTOCOL,
+                                             block_size=4, recipe="epic").final

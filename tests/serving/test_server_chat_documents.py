@@ -178,7 +178,7 @@ def test_unknown_recipe_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, [SYSTEM, QUESTION], [DOC_A],
              extra_body={"vllm_xargs": {"minipic_recipe": "fancy"}})
-    assert "vllm_xargs.minipic_recipe must be one of 'epic', 'block_attention'" in \
+    assert "vllm_xargs.minipic_recipe must be one of 'epic', 'epic2', 'block_attention'" in \
         error.value.message
 
 
