@@ -16,7 +16,8 @@ tokens), `enabled` (false turns an `additional_config` section off),
 their own and take no room in positions; see docs/accuracy.md for what it
 does to answers), `recipe` (the
 span prompt the API server builds from a chat request's `documents`: "epic",
-the default, "epic2" (two recomputed blocks per document) or "block_attention"; see minipic/serving/chat_documents.py). Any other
+the default, "epic2" (two recomputed blocks per document) or "block_attention"; see
+minipic/serving/chat_documents.py). Any other
 key in the `additional_config` section is refused at start-up (a typo would
 otherwise silently leave a default in force).
 """
@@ -44,9 +45,9 @@ ENGINE_OPTION_KEYS = frozenset(
     {"enabled", "mask_markers", "recipe",
      *(field.name for field in dataclasses.fields(SpanProtocol))})
 
-# Span prompts the API server can build from chat `documents` (option `recipe`):
-# EPIC recomputing each document's first block, or its first two (more accurate on small
-# off-the-shelf models, docs/accuracy.md), or Block-Attention.
+# Span prompts the API server can build from chat `documents` (option `recipe`), the names
+# of client.prompts.recipes.RECIPES_BY_NAME (not imported here: the client package is slow
+# to import, and this module loads in every engine process).
 SERVER_RECIPES = ("epic", "epic2", "block_attention")
 
 

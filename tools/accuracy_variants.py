@@ -150,6 +150,12 @@ def build(variant: str, question, tokenizer, protocol: SpanProtocol) -> Layout:
     return built
 
 
+def additive_mask(allowed: torch.Tensor) -> torch.Tensor:
+    """[n, n] bool -> the [1, 1, n, n] additive mask HF takes for an explicit layout."""
+    n = allowed.shape[0]
+    return torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
 @torch.no_grad()
 def score(model, built: Layout, gold: list[int]) -> dict:
     """Teacher-force `gold` after the prompt: each gold token sees what the prompt's last
@@ -160,8 +166,7 @@ def score(model, built: Layout, gold: list[int]) -> dict:
     allowed[n:, :n] = built.allowed[n - 1]
     allowed[n:, n:] = torch.ones(g, g, dtype=torch.bool).tril()
     positions = torch.cat([built.positions, built.positions[-1] + 1 + torch.arange(g)])
-    mask = torch.zeros(1, 1, n + g, n + g).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    logits = model(torch.tensor([built.tokens + gold]), attention_mask=mask,
+    logits = model(torch.tensor([built.tokens + gold]), attention_mask=additive_mask(allowed),
                    position_ids=positions[None]).logits[0, n - 1: n + g - 1]
     logprobs = logits.log_softmax(-1)
     picked = logprobs.argmax(-1).tolist()
@@ -172,9 +177,7 @@ def score(model, built: Layout, gold: list[int]) -> dict:
 @torch.no_grad()
 def first_token_logprobs(model, built: Layout) -> torch.Tensor:
     """[vocab] logprobs of the token after the prompt, under the layout's mask and positions."""
-    n = len(built.tokens)
-    mask = torch.zeros(1, 1, n, n).masked_fill(~built.allowed, torch.finfo(torch.float32).min)
-    logits = model(torch.tensor([built.tokens]), attention_mask=mask,
+    logits = model(torch.tensor([built.tokens]), attention_mask=additive_mask(built.allowed),
                    position_ids=built.positions[None]).logits[0, -1]
     return logits.log_softmax(-1)
 

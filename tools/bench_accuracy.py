@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import gzip
 import json
 import math
@@ -33,7 +32,8 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from minipic.client import PromptCache, Text, block_attention, epic, tokens_prompt  # noqa: E402
+from minipic.client import PromptCache, Text, tokens_prompt  # noqa: E402
+from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.accuracy_records import read_records  # noqa: E402
 from minipic.devtools.synthetic_qa import (  # noqa: E402
     Question, answer_matches, chat_parts, encode, make_questions,
@@ -65,9 +65,7 @@ def _prompt_cache(docs, task, *, protocol, block_size, system=None, tokenizer=No
 # recipe plugs in with one line.
 METHODS: dict[str, Callable[..., Any] | None] = {
     "stock": None,
-    "block_attention": block_attention,
-    "epic": functools.partial(epic, recompute_blocks=1),
-    "epic2": functools.partial(epic, recompute_blocks=2),  # less reuse, for the trade-off
+    **RECIPES_BY_NAME,  # block_attention, epic, epic2 (two blocks: less reuse, for the trade-off)
     "prompt_cache": _prompt_cache,
 }
 

@@ -14,18 +14,19 @@ a token prefix of the whole. Each document is cut into spans exactly as
 `minipic-preload` and `RagClient` cut it (client/prompts/document_spans.py: windows of
 DEFAULT_SPAN_TOKENS, each padded to the engine's block size), so what a preload
 stored is what a chat request hits; the recipe (`epic` by default, links after all spans;
-`epic2`, two recomputed blocks per document; or `block_attention`) comes from minipic's `recipe` option or, per request, from
-`vllm_xargs: {"minipic_recipe": ...}`. The builders are minipic.client's, so a
-client building the same prompt from the same token ids gets the same tokens.
+`epic2`, two recomputed blocks per document; or `block_attention`) comes from minipic's
+`recipe` option or, per request, from `vllm_xargs: {"minipic_recipe": ...}`. The builders
+are minipic.client's, so a client building the same prompt from the same token ids gets
+the same tokens.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from minipic.client import SpanPrompt, SpanPromptError, block_attention, epic
+from minipic.client import SpanPrompt, SpanPromptError
 from minipic.client.prompts.document_spans import document_spans
+from minipic.client.prompts.recipes import RECIPES_BY_NAME
 from minipic.client.prompts.span_prompt import check_body, to_tokens
 from minipic.config import check_recipe
 from minipic.protocol import SpanProtocol
@@ -71,11 +72,6 @@ def request_recipe(vllm_xargs: Mapping[str, Any] | None, server_default: str) ->
         raise DocumentsRequestError(str(e)) from None
 
 
-# config.SERVER_RECIPES -> the client builder the server uses.
-RECIPE_BUILDERS = {"epic": epic, "epic2": functools.partial(epic, recompute_blocks=2),
-                   "block_attention": block_attention}
-
-
 def build_span_prompt(header: Sequence[int], whole: Sequence[int], texts: Sequence[str], *,
                       tokenizer: Any, protocol: SpanProtocol, block_size: int,
                       recipe: str) -> SpanPrompt:
@@ -87,7 +83,7 @@ def build_span_prompt(header: Sequence[int], whole: Sequence[int], texts: Sequen
             "the chat template renders the system messages differently on their own than at "
             "the start of the conversation, so minipic cannot place documents after them")
     task = whole[len(header):]
-    builder = RECIPE_BUILDERS[recipe]
+    builder = RECIPES_BY_NAME[recipe]
     # Token ids, not text, and no tokenizer: vLLM's rendering already chose the BOS.
     try:
         spans = [span for i, text in enumerate(texts)

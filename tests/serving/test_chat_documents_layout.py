@@ -105,7 +105,7 @@ def test_vllm_without_the_hook_points_logs_and_loads(monkeypatch, caplog, missin
 def test_every_server_recipe_has_its_builder():
     """epic2: each document's first two blocks recomputed in context."""
     from minipic.config import SERVER_RECIPES
-    from minipic.serving.chat_documents import RECIPE_BUILDERS
+    from minipic.client.prompts.recipes import RECIPES_BY_NAME as RECIPE_BUILDERS
 
     assert set(RECIPE_BUILDERS) == set(SERVER_RECIPES)
     header, task = [1, 7, 8], [9, 10, 11]

@@ -10,6 +10,7 @@ follows it) and never hits (PDep).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 from minipic.client.prompts.span_prompt import (
@@ -101,3 +102,11 @@ def epic(docs: Sequence[TextOrTokens], task: TextOrTokens, *, protocol: SpanProt
     links = [epic_link(span, recompute_blocks, protocol, block_size) for span in spans]
     header = _header(system, tokenizer, protocol, block_size)
     return _assemble(header, spans + links, spans, task, tokenizer, protocol, block_size)
+
+
+# The recipes a name selects: the server's `recipe` option and per-request override
+# (config.SERVER_RECIPES lists the same names), and tools/bench_accuracy.py's methods.
+# epic2 recomputes each document's first two blocks: on small off-the-shelf models one is
+# not enough (docs/accuracy.md).
+RECIPES_BY_NAME = {"epic": epic, "epic2": functools.partial(epic, recompute_blocks=2),
+                   "block_attention": block_attention}
