@@ -57,6 +57,11 @@ SWEEP = [tk.LaunchConfig(m, t, w, s, prefetch=p) for m, t, w, s, p in
 DECODE_SWEEP = [tk.LaunchConfig(m, t, w, s, prefetch=p) for m, t, w, s, p in
                 [(16, 16, 4, 3, False), (16, 16, 4, 3, True), (16, 32, 4, 3, False),
                  (16, 32, 4, 3, True), (16, 16, 2, 3, True), (16, 64, 4, 3, True)]]
+# Short queries over long contexts (--short-sweep; a span hit's final prompt): q-block rows
+# (block_m / 4 tokens at Llama-3's 4 query heads per KV head) x key tiles, split or not.
+SHORT_SWEEP = [tk.LaunchConfig(m, t, w, 3, prefetch=True) for m, t, w in
+               [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 32, 4), (128, 64, 8), (128, 32, 8)]]
+SHORT_SEGMENTS = [0, 16, 32, 64]  # 0: no split
 
 
 @dataclasses.dataclass
@@ -226,6 +231,34 @@ def sweep_launchers(step: Step, pool: KVPool, out: torch.Tensor) -> dict:
     return variants
 
 
+def short_sweep_launchers(step: Step, pool: KVPool, out: torch.Tensor) -> dict:
+    """minipic with span tables (frame offsets 0) at each short-query tile shape and KV split."""
+    q, cu, lens, table = step.tensors(pool)
+    span_of = torch.full(table.shape, -1, dtype=torch.int32, device="cuda")
+    context_pos = (torch.arange(table.shape[1], dtype=torch.int32, device="cuda") * BLOCK
+                   ).expand(table.shape).contiguous()
+    zeros = torch.zeros_like(span_of)
+    tables = tk.span_table_args(SpanLayout(span_of, context_pos, zeros, zeros), BLOCK)
+    variants = {}
+    for segments in SHORT_SEGMENTS:
+        split = {}
+        if segments:
+            f32 = dict(dtype=torch.float32, device="cuda")
+            n = step.num_seqs * step.q_len
+            split = dict(segm_output=torch.empty(n, Q_HEADS, segments, HEAD, **f32),
+                         segm_max=torch.empty(n, Q_HEADS, segments, **f32),
+                         segm_expsum=torch.empty(n, Q_HEADS, segments, **f32),
+                         seq_threshold_3d=SEQ_THRESHOLD_3D)
+        for c in SHORT_SWEEP:
+            name = f"m{c.block_m}_t{c.tile_size}_w{c.num_warps}_seg{segments}"
+            variants[name] = (lambda c=c, split=split: tk.unified_attention_rope(
+                q, pool.k_rot, pool.v, out, cu_seqlens_q=cu, seqused_k=lens,
+                max_seqlen_q=step.q_len, block_table=table, softmax_scale=HEAD ** -0.5,
+                cos_sin=pool.cos_sin, rotary_dim=HEAD, is_neox_style=True, config=c,
+                **split, **tables))
+    return variants
+
+
 def ratio_table(rows: list[dict], key: str, label: str) -> list[str]:
     """Markdown: times of stock/FA3 and each variant's time over stock's."""
     names = ["minipic", "minipic_noseg", "minipic_m16", "m16_noseg", "stock_again", "fa3"]
@@ -292,10 +325,14 @@ def main() -> None:
                         help="prefill lengths at which to also time the tile-shape sweep")
     parser.add_argument("--decode-sweep", nargs="*", default=[],
                         help="BATCHxCONTEXT decode shapes at which to time the decode sweep")
+    parser.add_argument("--short-sweep", nargs="*", default=[],
+                        help="QUERYxCONTEXT shapes (one request, e.g. 33x10000: a span hit's "
+                             "final prompt) at which to time the short-query sweep")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    max_len = max(args.prefill + args.decode_contexts) + BLOCK
+    short = [tuple(map(int, shape.split("x"))) for shape in args.short_sweep]
+    max_len = max(args.prefill + args.decode_contexts + [q + c for q, c in short]) + BLOCK
     max_seqs = max(args.decode_batches + [1])
     t0 = time.time()
     pool = KVPool.build(max_seqs, -(-max_len // BLOCK) * BLOCK)
@@ -316,6 +353,11 @@ def main() -> None:
         b, ctx = map(int, shape.split("x"))
         results["sweep"].append(measure(Step(b, 1, ctx - 1), pool, False, extra=sweep_launchers))
         save()
+    for q_len, ctx in short:
+        results["sweep"].append(measure(Step(1, q_len, ctx), pool, False,
+                                        extra=short_sweep_launchers))
+        print(q_len, ctx, json.dumps(results["sweep"][-1]["ms"]), flush=True)
+        save()
     for b in args.decode_batches:
         for ctx in args.decode_contexts:
             results["decode"].append(measure(Step(b, 1, ctx - 1), pool, with_m16=False))
@@ -327,7 +369,7 @@ def main() -> None:
     md += ["", "Decode (one new token per request):", ""]
     md += ratio_table(results["decode"], "{num_seqs} x {context}", "batch x context")
     for r in results["sweep"]:
-        shape = (f"prefill {r['q_len']} tokens" if r["q_len"] > 1
+        shape = (f"{r['q_len']} tokens after {r['context']}" if r["q_len"] > 1
                  else f"decode {r['num_seqs']} x {r['context'] + 1}")
         md += ["", f"Tile sweep, {shape} (ms; stock {r['ms']['stock']:.4g}):",
                ""] + [f"- {k}: {v:.4g} ({v / r['ms']['stock']:.3f} of stock)"
