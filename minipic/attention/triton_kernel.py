@@ -445,6 +445,11 @@ DECODE_2D = LaunchConfig(block_m=16, tile_size=64, prefetch=True)
 PREFILL = LaunchConfig(block_m=128, tile_size=64, num_warps=8, num_stages=2, prefetch=True)
 # Head dims above 128: PREFILL's tiles overflow shared memory (seen at 256).
 PREFILL_LARGE_HEAD = LaunchConfig(block_m=64, tile_size=32, num_warps=8, num_stages=2)
+# Short queries with split KV (a span hit's final prompt): every q-block reads and turns
+# every key of its segment, so few, large q-blocks win. H200, 33 queries over 10k / 40k
+# keys (bench_kernel --short-sweep): 0.18 / 0.65 ms against 0.54 / 2.04 ms for DECODE_2D's
+# 4-token q-blocks.
+SHORT_SPLIT = LaunchConfig(block_m=128, tile_size=64, num_warps=8, num_stages=3, prefetch=True)
 # Batches whose longest query is at least this many tokens launch PREFILL.
 PREFILL_MIN_QUERY_LEN = 128
 NUM_SEGMENTS = 16
@@ -455,11 +460,14 @@ SPLIT_KV_MAX_TOKENS = 128
 
 
 def choose_config(max_seqlen_q: int, use_3d: bool, head_size: int = 128) -> LaunchConfig:
+    large_head = head_size > 128
+    if use_3d and max_seqlen_q > 1:
+        return PREFILL_LARGE_HEAD if large_head else SHORT_SPLIT
     if use_3d:
         return DECODE_3D
     if max_seqlen_q < PREFILL_MIN_QUERY_LEN:
         return DECODE_2D
-    return PREFILL if head_size <= 128 else PREFILL_LARGE_HEAD
+    return PREFILL_LARGE_HEAD if large_head else PREFILL
 
 
 def _num_q_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:

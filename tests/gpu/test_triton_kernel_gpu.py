@@ -96,9 +96,9 @@ def test_head_grouping(batch, num_q_heads, num_kv_heads):
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
-@pytest.mark.parametrize("config", [tk.PREFILL, tk.DECODE_2D, tk.DECODE_3D,
+@pytest.mark.parametrize("config", [tk.PREFILL, tk.DECODE_2D, tk.DECODE_3D, tk.SHORT_SPLIT,
                                     tk.LaunchConfig(block_m=64, tile_size=64)],
-                         ids=["prefill", "decode2d", "decode3d", "m64t64"])
+                         ids=["prefill", "decode2d", "decode3d", "short_split", "m64t64"])
 def test_launch_configs(config, prefetch):
     import dataclasses
 
@@ -116,6 +116,7 @@ def test_short_queries_split_kv(query_lens, context_lens, dtype):
                      dtype=dtype, device="cuda")
     assert tk._split_short_queries(case.max_seqlen_q, case.q.shape[0], len(query_lens), 4, 8,
                                    tk.SPLIT_KV_MAX_TOKENS)
+    assert tk.choose_config(case.max_seqlen_q, True, 128) is tk.SHORT_SPLIT
     out = run_minipic(case, buffer_tokens=tk.SPLIT_KV_MAX_TOKENS)
     assert relative_error(out, reference_attention(case)) < TOLERANCE[dtype]
 
