@@ -257,7 +257,7 @@ def _patch_attention_selector() -> None:
 
 def _register_runner_after_init(original):
     """Wrap a model runner's __init__ (before its model is built): hand the runner to
-    minipic's segment table, and drop rotary embeddings cached for another engine."""
+    minipic's span layout, and drop rotary embeddings cached for another engine."""
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
         if is_enabled(vllm_config):

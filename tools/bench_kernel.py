@@ -142,7 +142,7 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
     zeros = torch.zeros_like(span_of)
     plain = SpanLayout(span_of, context_pos, zeros, zeros)
 
-    def minipic(config=None, segments=True):
+    def minipic(config=None, span_tables=True):
         if config is None:
             use_3d = step.q_len == 1 and step.num_seqs <= SEQ_THRESHOLD_3D
             config = tk.choose_config(step.q_len, use_3d)
@@ -151,7 +151,7 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
             block_table=table, softmax_scale=scale, cos_sin=pool.cos_sin, rotary_dim=HEAD,
             is_neox_style=True, segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
             seq_threshold_3d=SEQ_THRESHOLD_3D, config=config,
-            **(tk.span_table_args(plain, BLOCK) if segments else {}))
+            **(tk.span_table_args(plain, BLOCK) if span_tables else {}))
 
     def fa3():
         flash_attn_varlen_func(
@@ -162,14 +162,14 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
     variants = {
         "stock": stock,
         "minipic": minipic(),
-        "minipic_noseg": minipic(segments=False),
+        "minipic_noseg": minipic(span_tables=False),
         "stock_again": stock,
         "fa3": fa3,
     }
     if with_m16:
         m16 = tk.LaunchConfig(block_m=16, tile_size=32)
         variants["minipic_m16"] = minipic(config=m16)
-        variants["m16_noseg"] = minipic(config=m16, segments=False)
+        variants["m16_noseg"] = minipic(config=m16, span_tables=False)
     return variants
 
 

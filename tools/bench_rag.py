@@ -33,16 +33,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
-# Figure 2's TTFT is bench_ttft.py's own run: its phases re-enter that script as child processes.
-import bench_ttft  # noqa: E402
-from minipic.devtools.bench_setup import (  # noqa: E402  (shared with tools/bench_ttft.py)
+from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, connector_extra, disk_phase_list, gib, int_list, make_model, random_words)
+from minipic.devtools.rag_workload import TASK_TOKENS, RagWorkload, rag_workload  # noqa: E402
+from minipic.devtools.store_totals import store_totals  # noqa: E402
+from minipic.devtools.timing import timed  # noqa: E402
+# Figure 2's TTFT is tools/bench_ttft.py's run: its phases are engine processes of their own.
+from minipic.devtools.ttft_phases import measure as measure_ttft  # noqa: E402
 
-# The workload's shape (issue 6): a document body of 95 tokens + its SSep marker is 96 tokens,
-# whole blocks at block size 16 (GPU) and 32 (CPU), so no padding changes the token counts.
-SYSTEM_TOKENS, DOC_TOKENS, DOCS_PER_SAMPLE, TASK_TOKENS = 64, 95, 10, 31
 TABLE1_MAX_MODEL_LEN = 2048
 
 
@@ -100,89 +99,6 @@ def plan_runs(args) -> list[Run]:
 
 
 # ---------------------------------------------------------------------------- workload
-
-@dataclasses.dataclass
-class RagWorkload:
-    span_prompts: list  # SpanPrompt per sample (the recipe's layout)
-    repeat_rate: float  # the measured fraction of document slots that repeat an earlier one
-    unique_docs: int
-    markers: dict
-
-    def plain_prompts(self) -> list[list[int]]:
-        """The final prompts without EPIC links, every marker replaced by an ordinary token:
-        the plain RAG prompt's length and compute, nothing for minipic to act on (what stock
-        vLLM and config 3 get, whatever the recipe)."""
-        marker_ids = set(self.markers.values())
-        ordinary = 11  # a plain word id in both models' vocabularies
-        return [[ordinary if t in marker_ids else t for t in without_links(p.final, self.markers)]
-                for p in self.span_prompts]
-
-    def unique_spans(self) -> list[list[int]]:
-        return list({tuple(s): s for p in self.span_prompts for s in p.span_prefills}.values())
-
-
-def without_links(final: list[int], markers: dict) -> list[int]:
-    """An EPIC final prompt less its link segments (they sit between the spans and PDep)."""
-    link = markers.get("link_token_id")
-    if link is None or link not in final:
-        return final
-    return final[:final.index(link)] + final[final.index(markers["pdep_token_id"]):]
-
-
-def repeat_slots(num_slots: int, repeat_rate: float, rng: random.Random) -> list[bool]:
-    """Which document slots repeat an earlier document: exactly round(rate * slots), shuffled."""
-    repeats = round(num_slots * repeat_rate)
-    slots = [True] * repeats + [False] * (num_slots - repeats)
-    rng.shuffle(slots)
-    return slots
-
-
-def draw_documents(samples: int, repeat_rate: float, rng: random.Random,
-                   new_doc, window: int | None = None) -> tuple[list, list[list[int]]]:
-    """(document pool, document indices per sample). A repeat slot takes a document seen
-    earlier in the run (uniformly, not one already in this sample), or with `window` one of
-    the `window` newest documents; a repeat slot with no such document (the run's first
-    slot) takes a new one instead."""
-    pool: list = []
-    slots = iter(repeat_slots(samples * DOCS_PER_SAMPLE, repeat_rate, rng))
-    chosen = []
-    for _ in range(samples):
-        sample: list[int] = []
-        for repeat in (next(slots) for _ in range(DOCS_PER_SAMPLE)):
-            lo = max(0, len(pool) - window) if window else 0
-            candidates = len(pool) - lo - sum(1 for d in sample if d >= lo)
-            if repeat and candidates > 0:
-                doc = rng.randrange(lo, len(pool))
-                while doc in sample:
-                    doc = rng.randrange(lo, len(pool))
-            else:
-                pool.append(new_doc())
-                doc = len(pool) - 1
-            sample.append(doc)
-        chosen.append(sample)
-    return pool, chosen
-
-
-def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_size: int,
-                 markers: dict, window: int | None = None,
-                 recipe: str = "block_attention") -> RagWorkload:
-    """Seeded and reproducible: the same arguments give the same token ids in every process."""
-    from minipic.client import block_attention, epic, make_span
-    from minipic.protocol import SpanProtocol
-
-    rng = random.Random(seed)
-    words = random_words(rng, arch)
-    protocol = SpanProtocol.from_dict(markers)
-    system = words(SYSTEM_TOKENS)
-    pool, chosen = draw_documents(
-        samples, repeat_rate, rng, lambda: make_span(words(DOC_TOKENS), protocol, block_size),
-        window)
-    build = {"block_attention": block_attention, "epic": epic}[recipe]
-    prompts = [build([pool[d] for d in docs], words(TASK_TOKENS), system=system,
-                     protocol=protocol, block_size=block_size) for docs in chosen]
-    slots = samples * DOCS_PER_SAMPLE
-    return RagWorkload(prompts, (slots - len(pool)) / slots, len(pool), markers)
-
 
 def workload_of(spec: dict, repeat_rate: float, samples: int, seed: int) -> RagWorkload:
     """The run's workload from a child spec (or the parent's base dict)."""
@@ -444,16 +360,12 @@ def preload_child(spec: dict) -> dict:
     args, _ = engine_args(spec, config, 256)
     llm = LLM(**args)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-    def timed(prompts: list[list[int]]) -> float:
-        start = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return time.perf_counter() - start
-
-    timed([words(64)])  # warm-up
+    run = lambda prompts: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                       params, use_tqdm=False)
+    run([words(64)])  # warm-up
     span = lambda: probe_prompt(make_span(words(spec["doc_tokens"]), protocol,
                                           spec["engine"]["block_size"]), protocol)
-    median = lambda make: statistics.median(timed(make()) for _ in range(spec["repeats"]))
+    median = lambda make: statistics.median(timed(run, make())[0] for _ in range(spec["repeats"]))
     return {"name": "minipic" if spec["minipic"] else "stock",
             "by_length": [{"tokens": n, "seconds": median(lambda: [words(n)])}
                           for n in spec["lengths"]],
@@ -521,7 +433,7 @@ def table1(args, base: dict, work: Path) -> None:
                 continue
             populated = run_child(dict(spec, kind="populate", name=f"populate {run.name}"),
                                   work, args.out / "logs")
-            populated["store_after"] = store_summary(spec["store"])
+            populated["store_after"] = store_totals(spec["store"])
             spec["populate"] = populated
             if "error" in populated:
                 results.append({"name": run.name, "error": "populate: " + populated["error"]})
@@ -530,7 +442,7 @@ def table1(args, base: dict, work: Path) -> None:
         result = run_child(spec, work, args.out / "logs")
         if "populate" in spec:
             result["populate"] = spec["populate"]
-            result["store_after"] = store_summary(spec["store"])
+            result["store_after"] = store_totals(spec["store"])
             shutil.rmtree(spec["store"], ignore_errors=True)
         results.append(result)
         save_table1(args, results)
@@ -552,19 +464,6 @@ def disk_tier_spec(spec: dict, run: Run, args, base: dict, work: Path) -> dict:
                          f"({free / 2**30:.0f} GiB): use fewer --samples or a higher repeat rate"}
     return dict(spec, store=str(store), disk_max_bytes=limit, store_bytes_estimate=needed,
                 cpu_bytes=gib(args.cpu_gb))
-
-
-def store_summary(store: str) -> dict:
-    """What the store holds and its summed counters (all processes so far): shows whether
-    every span reached the disk and how many blocks the measured run loaded."""
-    from minipic.connector.store.stats import scan_store
-
-    namespaces = scan_store(store) if os.path.isdir(store) else []
-    summary = {k: sum(getattr(ns, k) for ns in namespaces) for k in ("spans", "blocks", "bytes")}
-    for ns in namespaces:
-        for k, v in ns.counters.items():
-            summary[k] = summary.get(k, 0) + v
-    return summary
 
 
 def save_table1(args, results: list[dict]) -> None:
@@ -653,11 +552,10 @@ def figure2(args, base: dict, work: Path) -> None:
            "host": host_facts()}
     save = lambda: (args.out / "figure2.json").write_text(json.dumps(out, indent=1, default=str))
     if "ttft" in args.parts:  # first: the headline numbers, saved after every phase
-        out["ttft"] = bench_ttft.measure(args.arch, args.doc_counts, args.doc_tokens,
-                                         args.repeats, args.eager,
-                                         save=lambda phases: (out.update(ttft=phases), save()),
-                                         disk_phases=args.disk_phases,
-                                         cpu_bytes=gib(args.cpu_gb))
+        out["ttft"] = measure_ttft(args.arch, args.doc_counts, args.doc_tokens, args.repeats,
+                                   args.eager,
+                                   save=lambda phases: (out.update(ttft=phases), save()),
+                                   disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb))
     if "preload" in args.parts:
         engine = dict(base["engine"], max_model_len=max(args.lengths) + 64)
         out["preload"] = [run_child(dict(base, engine=engine, kind="preload", name=f"preload {impl}",

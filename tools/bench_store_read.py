@@ -32,9 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minipic.connector.scheduler.prefault import prefault  # noqa: E402
 from minipic.connector.store import block_file  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ttft import drop_from_page_cache  # noqa: E402  (the store's files, same way)
+from minipic.devtools.page_cache import drop_from_page_cache  # noqa: E402
+from minipic.devtools.timing import timed  # noqa: E402
 
 NAMESPACE = b"bench-store-read"  # 16 bytes, like a store namespace digest
 
@@ -159,8 +158,8 @@ def main() -> None:
         for _ in range(2):
             if args.cold:
                 drop_from_page_cache(str(args.dir / "blocks"))
-            start = time.perf_counter()
-            seconds = run() or time.perf_counter() - start
+            elapsed, own = timed(run)
+            seconds = own or elapsed
             rates.append(total / seconds)
         print(f"{name:28s} " + "  ".join(f"{r:6.2f}" for r in rates) + "  GiB/s", flush=True)
 

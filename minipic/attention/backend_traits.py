@@ -1,6 +1,6 @@
 """What every position-free backend supports, declared once for vLLM's backend checks.
 
-Causal decoder self-attention only: span frames and segments assume key j of a
+Causal decoder self-attention only: span frames and the span layout assume key j of a
 request sits at position j (or its logical position) and that queries see keys
 before them. Windows, sinks, bidirectional ranges and ALiBi would each need their own
 position handling.

@@ -1,4 +1,4 @@
-"""Worker side: span segments and link blocks, i.e. which keys each query may attend to.
+"""Worker side: the span layout and link blocks, i.e. which keys each query may attend to.
 
 An SSep block's hash says "my KV depends only on the tokens from my span's
 SSep block on". Attention makes that true: a query inside an SSep span sees
@@ -171,7 +171,7 @@ def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_
     if protocol.link_token_id is not None:
         is_link = (firsts == protocol.link_token_id) & in_prompt
     is_marker = is_ssep | is_link | ((firsts == protocol.pdep_token_id) & in_prompt)
-    # The marker block that starts each block's segment (-1: none yet).
+    # The last marker block at or before each block (-1: none yet).
     last = torch.where(is_marker, block, -1).cummax(dim=1).values
     opened = last >= 0
     last_index = last.clamp(min=0)

@@ -1,22 +1,19 @@
-"""tools/bench_rag.py's workload and run plan (no engine): the benchmark's inputs are what
-docs/benchmarks.md says, and the same in every process."""
+"""minipic.devtools.rag_workload: Table 1's workload (no engine) is what docs/benchmarks.md
+says, and the same in every process."""
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
+import random
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_rag  # noqa: E402
+from minipic.devtools.rag_workload import DOCS_PER_SAMPLE, draw_documents, rag_workload
 
 MARKERS = {"ssep_token_id": 128002, "pdep_token_id": 128003, "pad_token_id": 128004}
 
 
 def workload(samples=200, rate=0.4, seed=0, block_size=16):
-    return bench_rag.rag_workload("llama3-8b", samples, rate, seed, block_size, MARKERS)
+    return rag_workload("llama3-8b", samples, rate, seed, block_size, MARKERS)
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens():
@@ -48,20 +45,10 @@ def test_plain_prompts_same_length_no_markers():
         assert not set(plain) & set(MARKERS.values())
 
 
-def test_plan_runs_expands_isps_and_rates():
-    args = argparse.Namespace(configs="1,5,5:64", repeat_rate=[0.3, 0.9], isps_seqs=[64, 1024],
-                              max_num_seqs=1024)
-    names = [run.name for run in bench_rag.plan_runs(args)]
-    assert names == ["1@1024/r0.3", "5@64/r0.3", "5@1024/r0.3", "5@64/r0.3",
-                     "1@1024/r0.9", "5@64/r0.9", "5@1024/r0.9", "5@64/r0.9"]
-
-
 def test_repeat_window_draws_repeats_from_the_newest_documents_only():
-    import random
-
     new_doc = iter(range(10**6)).__next__
     window = 50
-    pool, chosen = bench_rag.draw_documents(300, 0.6, random.Random(0), new_doc, window)
+    pool, chosen = draw_documents(300, 0.6, random.Random(0), new_doc, window)
     first_use = {}
     for sample in chosen:
         newest = len(first_use)  # documents seen before this sample
@@ -70,7 +57,7 @@ def test_repeat_window_draws_repeats_from_the_newest_documents_only():
                 assert doc >= newest - window, (doc, newest)
             first_use.setdefault(doc, True)
         assert len(set(sample)) == len(sample)
-    slots = 300 * bench_rag.DOCS_PER_SAMPLE
+    slots = 300 * DOCS_PER_SAMPLE
     assert 0.6 - 10 / slots <= (slots - len(pool)) / slots <= 0.6
 
 

@@ -1,0 +1,224 @@
+"""The TTFT measurement of tools/bench_ttft.py, as a library: stock vLLM vs minipic GPU hit vs
+minipic from disk, each phase an engine in a process of its own (as a restart would give).
+tools/bench_ttft.py's docstring says what the phases and their disk specs mean; tools/bench_rag.py
+runs `measure()` for Figure 2's TTFT panel.
+
+The parent (`measure`) builds the model and the token-id prompts once and writes them to a
+file; each phase re-enters this module as `python -m minipic.devtools.ttft_phases --phase ...`,
+which prints its result as one `RESULT {json}` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from minipic.devtools.bench_setup import connector_extra, make_model, random_words, split_disk_phase
+from minipic.devtools.page_cache import drop_from_page_cache
+from minipic.devtools.store_totals import store_totals
+from minipic.devtools.timing import timed
+
+# The store's counters that a disk phase's result reports (as `store_loads`).
+LOAD_COUNTERS = ("load_jobs", "load_us", "hit_blocks", "hit_bytes")
+
+
+def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, block_size: int,
+             markers: dict, prompt_sets: list[str], recipe: str = "block_attention") -> dict:
+    """Token-id prompts: span prefills and final prompts (the recipe's layout).
+
+    Every timed prompt (each document count, each repeat) has documents of its own, used by no
+    other timed prompt of the phase: in the disk-warm phase each prompt then really loads its
+    documents from the store, instead of hitting copies an earlier prompt already loaded into
+    GPU memory. The phases share the document sets (the spans come from the gpu-hit phase) and
+    differ in the question and the document order.
+    """
+    from minipic.client import block_attention, epic
+    from minipic.protocol import SpanProtocol
+
+    build = {"block_attention": block_attention, "epic": epic}[recipe]
+    rng = random.Random(0)
+    words = random_words(rng, arch)
+    protocol = SpanProtocol.from_dict(markers)
+    system = words(64)
+    doc_sets = [(k, [words(doc_tokens) for _ in range(k)]) for k in doc_counts
+                for _ in range(repeats)]
+    warm_docs = [words(doc_tokens) for _ in range(max(doc_counts))]
+    make = lambda docs: build(rng.sample(docs, len(docs)), words(32), system=system,
+                              protocol=protocol, block_size=block_size)
+    finals = {name: [[k, make(docs).final] for k, docs in doc_sets] for name in prompt_sets}
+    # Warm-up: the same kinds of steps on other documents (their spans are stored too, so the
+    # disk-warm phase also warms its load path), so first-launch costs stay out of the timing.
+    warmups = {name: [make(warm_docs[:k]).final for k in doc_counts for _ in range(2)]
+               for name in prompt_sets}
+    # One more prompt per phase, on fresh documents, for --profile-dir (not timed).
+    profile_docs = [words(doc_tokens) for _ in range(max(doc_counts))]
+    profiled = {name: make(profile_docs).final for name in prompt_sets}
+    every_doc = [doc for _, docs in doc_sets for doc in docs] + warm_docs + profile_docs
+    return {"prefills": make(every_doc).span_prefills, "finals": finals, "warmups": warmups,
+            "profiled": profiled}
+
+
+def final_prompt_tokens(doc_counts: list[int], doc_tokens: int, block_size: int) -> int:
+    """The longest final prompt: system 64 + padded SSep documents + PDep question 32."""
+    span = -(-(doc_tokens + 1) // block_size) * block_size
+    return 64 + max(doc_counts) * span + 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One engine process of the benchmark."""
+
+    name: str
+    prompts: str  # its prompt set: the same documents in every set, its own questions and order
+    minipic: bool = True
+    read_threads: int | None = None  # disk phases: the disk tier's read threads
+    read_processes: int | None = None  # and its reader processes (None: minipic's default)
+    cold: bool = False  # drop the store's files from the page cache first
+
+    @classmethod
+    def disk(cls, spec: str, index: int = 0) -> "Phase":
+        """`warm:4`, `cold:16`, `warm:16:0` (see tools/bench_ttft.py's docstring). Each disk
+        phase has its own questions, so none hits a question block an earlier one stored."""
+        kind, threads, processes = split_disk_phase(spec)
+        name = f"disk-{kind}-t{threads}" + "".join(f"-p{p}" for p in processes)
+        return cls(name=name, prompts=f"disk-{index}", read_threads=int(threads),
+                   read_processes=int(processes[0]) if processes else None,
+                   cold=kind == "cold")
+
+
+def phases_of(disk_specs: list[str]) -> list[Phase]:
+    return [Phase("stock", "stock", minipic=False), Phase("gpu-hit", "gpu-hit"),
+            *(Phase.disk(spec, i) for i, spec in enumerate(disk_specs))]
+
+
+def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict,
+              profile_dir: str | None = None) -> dict:
+    """In this process: start one engine, time the final prompts."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from minipic.config import connector_config
+    from minipic.connector.store.settle import wait_until_settled
+
+    phase = Phase(**phase)
+    kwargs = dict(engine, model=model, enable_prefix_caching=True, seed=0)
+    if profile_dir:
+        kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir,
+                                     "torch_profiler_with_stack": False}
+    if phase.minipic:
+        extra = dict(connector)
+        if phase.read_threads:
+            extra["disk_read_threads"] = phase.read_threads
+        if phase.read_processes is not None:
+            extra["disk_read_processes"] = phase.read_processes
+        kwargs["kv_transfer_config"] = connector_config(extra)
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    run = lambda prompts: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                       params, use_tqdm=False)
+    run([[11] * 64])  # kernels compiled/loaded before timing
+    if phase.prompts == "gpu-hit":
+        run(load["prefills"])
+        # Their blocks stream to the CPU tier and the store for seconds after the prefills:
+        # time the hits once that traffic is over, not against it.
+        wait_until_settled(connector["store_dir"], quiet_s=2.0)
+    for final in load["warmups"][phase.prompts]:
+        run([final])
+    points: dict[int, dict] = {}
+    for docs, final in load["finals"][phase.prompts]:
+        point = points.setdefault(docs, {"docs": docs, "ttft_s": [], "cached_tokens": [],
+                                         "prompt_tokens": len(final)})
+        # max_tokens=1: the seconds to the answer are the seconds to its first token.
+        ttft, [out] = timed(run, [final])
+        point["ttft_s"].append(ttft)
+        point["cached_tokens"].append(out.num_cached_tokens)
+        if not phase.minipic:  # the same prompt again: stock's own full prefix-cache hit
+            point.setdefault("rerun_ttft_s", []).append(timed(run, [final])[0])
+    if profile_dir:  # one more max-size prompt on fresh documents, under the torch profiler
+        llm.start_profile(profile_prefix=phase.name)
+        run([load["profiled"][phase.prompts]])
+        llm.stop_profile()
+    llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
+    for point in points.values():
+        for series in ("ttft_s", "rerun_ttft_s"):
+            if series in point:
+                point[f"median_{series}"] = statistics.median(point[series])
+    return {"phase": phase.name, "points": list(points.values())}
+
+
+def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
+            save=lambda results: None, profile_dir: Path | None = None,
+            disk_phases: list[str] = ("warm:4",), cpu_bytes: int | None = None,
+            recipe: str = "block_attention") -> list[dict]:
+    """All phases, each in its own process; `save(results)` after each (a late failure keeps
+    the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model, engine, markers = make_model(arch, Path(tmp))
+        needed = final_prompt_tokens(doc_counts, doc_tokens, engine["block_size"]) + 64
+        needed += max(doc_counts) * engine["block_size"]  # EPIC's link blocks
+        engine["max_model_len"] = max(engine["max_model_len"], needed)
+        engine["enforce_eager"] = engine.get("enforce_eager", False) or eager
+        phases = phases_of(list(disk_phases))
+        load = workload(arch, doc_counts, doc_tokens, repeats, engine["block_size"], markers,
+                        [phase.prompts for phase in phases], recipe)
+        child = Path(tmp) / "child.json"  # token lists: too long for a command line
+        store = f"{tmp}/store"
+        child.write_text(json.dumps(dict(model=model, engine=engine, load=load,
+                                         connector=connector_extra(arch, store, markers, cpu_bytes),
+                                         profile_dir=profile_dir and str(profile_dir))))
+        results = []
+        for phase in phases:
+            if phase.cold:
+                drop_from_page_cache(store)
+            before = load_counters(store) if phase.read_threads else None
+            result = run_child(phase, child)
+            if before is not None:
+                after = load_counters(store)
+                result["store_loads"] = {k: after[k] - before[k] for k in after}
+            results.append(result)
+            save(results)
+    return results
+
+
+def load_counters(store: str) -> dict[str, int]:
+    """The store's summed disk-load counters (all processes so far)."""
+    totals = store_totals(store)
+    return {k: totals[k] for k in LOAD_COUNTERS}
+
+
+def run_child(phase: Phase, child: Path) -> dict:
+    """One phase in a process of its own: this module again, importing minipic from where this
+    process did (a checkout on sys.path alone is not inherited)."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "PYTHONPATH": os.pathsep.join(
+        p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", __name__, "--phase", json.dumps(dataclasses.asdict(phase)),
+           "--child-args", str(child)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(f"phase {phase.name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return {"phase": phase.name, "error": proc.stderr[-3000:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def child_main() -> None:
+    """A phase's process (started by run_child): its result as one RESULT line."""
+    parser = argparse.ArgumentParser(description="one phase of minipic.devtools.ttft_phases")
+    parser.add_argument("--phase", type=json.loads, required=True)
+    parser.add_argument("--child-args", type=Path, required=True)
+    args = parser.parse_args()
+    child = json.loads(args.child_args.read_text())
+    print("RESULT " + json.dumps(run_phase(args.phase, **child)), flush=True)
+
+
+if __name__ == "__main__":
+    child_main()

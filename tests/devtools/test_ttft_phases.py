@@ -1,0 +1,42 @@
+"""minipic.devtools.ttft_phases without an engine: the phases a --disk-phases list makes, and a
+workload whose timed prompts each have documents of their own."""
+
+from __future__ import annotations
+
+from minipic.devtools.bench_setup import TINY_MARKERS
+from minipic.devtools.ttft_phases import load_counters, phases_of, workload
+
+
+def test_phases_of_disk_specs():
+    phases = phases_of(["warm:4", "cold:16", "warm:16:0"])
+    assert [p.name for p in phases] == ["stock", "gpu-hit", "disk-warm-t4", "disk-cold-t16",
+                                        "disk-warm-t16-p0"]
+    assert [p.prompts for p in phases] == ["stock", "gpu-hit", "disk-0", "disk-1", "disk-2"]
+    stock, hit, warm, cold, threads_only = phases
+    assert not stock.minipic and hit.minipic and hit.read_threads is None
+    assert (warm.read_threads, warm.read_processes, warm.cold) == (4, None, False)
+    assert cold.cold and threads_only.read_processes == 0
+
+
+def test_every_timed_prompt_has_documents_of_its_own():
+    doc_counts, repeats, block = [1, 2], 3, 32
+    load = workload("tiny", doc_counts, 40, repeats, block, TINY_MARKERS, ["stock", "gpu-hit"])
+    ssep = TINY_MARKERS["ssep_token_id"]
+    docs_of = lambda final: {tuple(final[i:i + block]) for i in range(0, len(final), block)
+                             if final[i] == ssep}
+    for name in ("stock", "gpu-hit"):
+        finals = load["finals"][name]
+        assert [k for k, _ in finals] == [1, 1, 1, 2, 2, 2]
+        seen: set = set()
+        for k, final in finals:
+            docs = docs_of(final)
+            assert len(docs) == k and not docs & seen
+            seen |= docs
+    # The sets share their documents and differ in their questions.
+    stock, hit = load["finals"]["stock"], load["finals"]["gpu-hit"]
+    assert all(docs_of(a) == docs_of(b) and a != b for (_, a), (_, b) in zip(stock, hit))
+
+
+def test_load_counters_of_a_store_not_written_yet(tmp_path):
+    assert load_counters(str(tmp_path / "store")) == dict.fromkeys(
+        ("load_jobs", "load_us", "hit_blocks", "hit_bytes"), 0)
