@@ -29,8 +29,10 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |   .process_inputs (+ process_inputs_async, its   | (API / LLM) | ends inside an SSep span, unless the  |
 |   wrapper made per instance)                     |             | request opts in (HTTP 400)            |
 | entrypoints.launchers.api_server.routers         | API server  | add GET /v1/minipic/settings (block   |
-|   .register_api_routers (+ its copies in         |             | size, markers, recipe for clients);   |
-|   launchers.app and openai.api_server)           |             | install the chat hook below, only in  |
+|   .register_api_routers (+ its copies in         |             | size, markers, recipe for clients)    |
+|   launchers.app and openai.api_server)           |             | and POST /v1/minipic/preload (spans   |
+|                                                  |             | of documents prefilled server-side);  |
+|                                                  |             | install the chat hook below, only in  |
 |                                                  |             | the API server process                |
 | entrypoints.openai.chat_completion.serving       | API server  | render a chat request's `documents`   |
 |   .OpenAIServingChat.render_chat_request         |             | as a span prompt (serving/            |
@@ -366,17 +368,19 @@ def _patch_api_routers() -> None:
         from vllm.entrypoints.launchers import app as launcher_app
         from vllm.entrypoints.launchers.api_server import routers
     except ImportError:
-        logger.info("minipic: this vLLM has no entrypoints.launchers; GET /v1/minipic/settings "
-                    "and chat `documents` as spans are off")
+        logger.info("minipic: this vLLM has no entrypoints.launchers; GET /v1/minipic/settings, "
+                    "POST /v1/minipic/preload and chat `documents` as spans are off")
         return
     import sys
 
     def make(original):
         def register_api_routers(args, app, *rest, **kwargs):
             original(args, app, *rest, **kwargs)
+            from minipic.serving.preload_route import attach_preload_route
             from minipic.serving.settings_route import attach_settings_route
 
             attach_settings_route(app)
+            attach_preload_route(app)
             _patch_chat_documents()
             _patch_completion_documents()
         return register_api_routers

@@ -48,3 +48,11 @@ def test_settings_route_is_a_404(url):
     with pytest.raises(urllib.error.HTTPError) as error:
         urllib.request.urlopen(f"{url}/v1/minipic/settings", timeout=10)
     assert error.value.code == 404
+
+
+def test_preload_route_is_a_404(url):
+    request = urllib.request.Request(f"{url}/v1/minipic/preload", data=b'{"documents": ["a"]}',
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=10)
+    assert error.value.code == 404

@@ -11,15 +11,20 @@ GET /v1/minipic/settings (server_settings.py) and refuses a server without
 minipic, which would store no span; a block size or protocol given here must
 agree with the server's. `trust_server=True` skips the check (vLLM 0.25.1
 servers have no settings route) and then needs the block size. The tokenizer is
-loaded locally (transformers) from `tokenizer`, or else from the served model's name.
+loaded locally (transformers) from `tokenizer`, or else from the served model's name,
+only when a tool needs token ids: `preload_documents` (minipic-preload) sends text to
+the server's POST /v1/minipic/preload instead (server_preload.py), which a connection
+with `trust_server=True` does not use (`server_settings` is None).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from minipic.client.backends.base import Completion
+from minipic.client.backends.server_preload import PreloadedSpan, preload_documents
+from minipic.client.backends.server_settings import ServerSettings
 from minipic.protocol import SpanProtocol
 
 
@@ -31,8 +36,10 @@ def _api_base(url: str) -> str:
 class OpenAIServerBackend:
     def __init__(self, client: Any, model: str, *, block_size: int | None = None,
                  tokenizer: str | None = None, protocol: SpanProtocol | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, settings: ServerSettings | None = None):
         self.client = client
+        # The server's published settings; None when connected with trust_server=True.
+        self.server_settings = settings
         self.model = model
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -50,6 +57,7 @@ class OpenAIServerBackend:
 
         from minipic.client.backends.server_settings import fetch_server_settings
 
+        settings = None
         if not trust_server:
             settings = await fetch_server_settings(url, api_key)
             settings.check_overrides(block_size, protocol)
@@ -65,7 +73,7 @@ class OpenAIServerBackend:
         # vLLM's model cards carry max_model_len (an extra field to the OpenAI client).
         card = next((m for m in models if m.id == model), None)
         return cls(client, model, block_size=block_size, tokenizer=tokenizer, protocol=protocol,
-                   max_model_len=getattr(card, "max_model_len", None))
+                   max_model_len=getattr(card, "max_model_len", None), settings=settings)
 
     def get_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -92,6 +100,15 @@ class OpenAIServerBackend:
             prompt_tokens=usage.prompt_tokens if usage else len(prompt),
             cached_tokens=getattr(details, "cached_tokens", None),
             started_at=started_at, finished_at=time.monotonic())
+
+    async def preload_documents(self, texts: Sequence[str], *, span_tokens: int,
+                                skip_span_keys: Iterable[str] = ()) -> list[list[PreloadedSpan]]:
+        """Each document's spans, cut and prefilled by the server (no local tokenizer)."""
+        if self.server_settings is None:
+            raise RuntimeError("preload_documents needs the server's settings: connect "
+                               "without trust_server=True")
+        return await preload_documents(self.client, self.server_settings, texts,
+                                       span_tokens=span_tokens, skip_span_keys=skip_span_keys)
 
     async def close(self) -> None:
         await self.client.close()

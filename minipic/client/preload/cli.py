@@ -1,10 +1,16 @@
 """`minipic-preload CORPUS`: prefill a corpus's spans so later prompts hit them.
 
-Against a running server (OpenAI API; start it with minipic on and with
---enable-prompt-tokens-details, so that hits are visible); the block size and
-markers come from the server, and a server without minipic is refused:
+Against a running server started with minipic on: each document goes to the
+server as text (POST /v1/minipic/preload), which cuts it into spans with its own
+tokenizer, block size and markers, prefills them and answers with their token
+ids for the manifest; no tokenizer is loaded here, and a server without minipic
+is refused:
 
     minipic-preload corpus/ --url http://localhost:8000
+
+(--trust-server, for vLLM 0.25.1 servers without minipic's routes, cuts spans
+here with --tokenizer and sends token ids to /v1/completions; start that server
+with --enable-prompt-tokens-details, so that hits are visible.)
 
 In process, into a MiniPICConnector span store that servers then read:
 
@@ -55,14 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "server's first); without: the model to load in-process")
     engine.add_argument("--block-size", type=int, help="the engine's KV block size (with --url: "
                         "read from the server; given, it must agree)")
-    engine.add_argument("--tokenizer", help="with --url: tokenizer to load (default: the model)")
+    engine.add_argument("--tokenizer", help="with --url --trust-server: tokenizer to load "
+                        "(default: the model); otherwise the server tokenizes")
     engine.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="with --url: the server's API key (default: $OPENAI_API_KEY)")
     engine.add_argument("--span-protocol", type=_json_arg, help="with --url: marker ids as "
                         "JSON (read from the server; given, they must agree)")
     engine.add_argument("--trust-server", action="store_true", help="with --url: do not ask "
                         "the server for its minipic settings (vLLM 0.25.1 servers have no such "
-                        "route); needs --block-size")
+                        "route): cut spans here with --tokenizer and send token ids; needs "
+                        "--block-size")
     engine.add_argument("--connector-config", type=_json_arg,
                         help="in-process: MiniPICConnector's extra config, JSON or a JSON file, "
                         "e.g. '{\"store_dir\": \"/data/spans\"}'")
@@ -75,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(.parquet)")
     layout.add_argument("--id-field", help="id field/column (default: the record number)")
     run = p.add_argument_group("run")
-    run.add_argument("--concurrency", type=int, default=32, help="span prefills in flight")
+    run.add_argument("--concurrency", type=int, default=32, help="span prefills in flight "
+                     "(with --url: documents in flight, each prefilled whole by the server)")
     run.add_argument("--manifest", default="minipic-manifest.parquet", help="manifest to write")
     run.add_argument("--trust-manifest", action="store_true",
                      help="skip spans the existing manifest lists as stored, without asking "

@@ -5,7 +5,8 @@ One row per span, in document order:
     doc_id  source  span_index  span_count  span_key  num_tokens  token_ids
     status  cached_tokens  error
 
-`token_ids` is the exact span ([SSep] + text + padding), so a client builds
+`token_ids` is the exact span ([SSep] + text + padding; cut by the server's own
+tokenizer when `minipic-preload --url` preloads through it), so a client builds
 final prompts that hit without re-tokenizing (`Manifest.spans_of`). The
 file's schema metadata records what the spans are only valid for: model,
 block size, span size and span protocol. `status` says what the run that wrote

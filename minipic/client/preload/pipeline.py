@@ -1,5 +1,7 @@
 """Preload a corpus: documents -> spans -> prefilled into the engine's span store.
 
+Runs in the client process (minipic-preload, or any Python caller).
+
 The steps of `minipic-preload`, usable from Python with any backend:
 
     report = await preload("corpus/", backend, manifest_path="m.parquet")
@@ -9,6 +11,11 @@ The steps of `minipic-preload`, usable from Python with any backend:
 3. prefill the spans, `concurrency` at a time, each learning whether it was
    already stored (span_prefill.py), so a re-run redoes no work: a stored span
    costs one token; with `trust_manifest` it costs no request at all;
+   against a minipic server (a backend with `server_settings`, i.e. an
+   OpenAIServerBackend connected without trust_server), steps 2 and 3 are the
+   server's: each document goes as text to POST /v1/minipic/preload, `concurrency`
+   documents at a time, and its spans come back (on_server.py), so no tokenizer
+   is loaded here;
 4. write the manifest (manifest.py), also when interrupted: what was stored stays
    stored in the engine, and the manifest says which spans got there. An
    existing manifest for the same layout keeps the documents this run did not
@@ -32,6 +39,7 @@ from minipic.client.prompts.document_spans import DEFAULT_SPAN_TOKENS, document_
 from minipic.client.preload.manifest import (
     FAILED, NEW, PENDING, PREFILLED, STORED, Manifest, ManifestError, ManifestInfo, SpanRecord,
 )
+from minipic.client.preload.on_server import ServerRun, one_outcome_per_span, preload_on_server
 from minipic.client.span_prefill import SpanPrefill, prefill_span
 from minipic.client.prompts.span_prompt import SpanPromptError
 
@@ -84,23 +92,62 @@ async def preload(corpus: str | os.PathLike, backend: CompletionBackend, *,
     if manifest_path is not None:
         previous = _previous_manifest(manifest_path, info)
         Manifest.check_writable(manifest_path)
-    work = _spans_of_corpus(corpus, backend.get_tokenizer(), info, text_field, id_field, report)
-    if not work.records:
+    trusted = previous if trust_manifest else None
+    documents = _documents_of_corpus(corpus, text_field, id_field, report)
+    on_server = getattr(backend, "server_settings", None) is not None
+    work = None if on_server else _spans_of_documents(documents, backend.get_tokenizer(),
+                                                       info, report)
+    if not (documents if on_server else work.records):
         raise NothingToPreload(_nothing_read(corpus, report))
+    records: list[SpanRecord] = []  # filled also when the run stops early
+    try:
+        if on_server:
+            await _preload_on_server(backend, documents, info, trusted, records, report,
+                                     concurrency, progress)
+        else:
+            await _preload_token_ids(backend, work, info, trusted, records, report,
+                                     concurrency, progress)
+    finally:
+        _summarise(report, records, started)
+        if manifest_path is not None:
+            _write_manifest(Manifest(info, records + _untouched(previous, records)),
+                            manifest_path, report)
+    return report
+
+
+async def _preload_token_ids(backend: CompletionBackend, work: _Work, info: ManifestInfo,
+                             trusted: Manifest | None, records: list[SpanRecord],
+                             report: PreloadReport, concurrency: int, progress: bool) -> None:
+    """Spans cut here (the backend's tokenizer), prefilled as token-id prompts."""
     outcomes: dict[str, SpanPrefill | str] = {}  # by span key; str: a status without a request
-    if trust_manifest and previous is not None:
-        outcomes.update({k: STORED for k in previous.keys_with_status(NEW, STORED, PREFILLED)})
+    if trusted is not None:
+        outcomes.update({k: STORED for k in trusted.keys_with_status(NEW, STORED, PREFILLED)})
         report.trusted_from_manifest = sum(1 for k in work.spans if k in outcomes)
     try:
         todo = {k: s for k, s in work.spans.items() if k not in outcomes}
         await _prefill_all(backend, info, todo, outcomes, concurrency, progress)
     finally:
-        records = [_with_outcome(r, outcomes.get(r.span_key)) for r in work.records]
-        _summarise(report, records, work, started)
-        if manifest_path is not None:
-            _write_manifest(Manifest(info, records + _untouched(previous, records)),
-                            manifest_path, report)
-    return report
+        records.extend(_with_outcome(r, outcomes.get(r.span_key)) for r in work.records)
+
+
+async def _preload_on_server(backend: Any, documents: list[Document], info: ManifestInfo,
+                             trusted: Manifest | None, records: list[SpanRecord],
+                             report: PreloadReport, concurrency: int, progress: bool) -> None:
+    """Documents sent as text; the server cuts and prefills them (on_server.py)."""
+    run = ServerRun()
+    trusted_keys: dict[str, set[str]] = {}
+    if trusted is not None:
+        for r in trusted.records:
+            if r.status in (NEW, STORED, PREFILLED):
+                trusted_keys.setdefault(r.doc_id, set()).add(r.span_key)
+    try:
+        await preload_on_server(backend, documents, info, run, trusted_keys=trusted_keys,
+                                concurrency=concurrency, progress=progress)
+    finally:
+        records.extend(one_outcome_per_span(run.records))
+        report.documents += len({r.doc_id for r in run.records})
+        report.problems.extend(run.problems)
+        report.trusted_from_manifest = len(run.trusted_keys)
 
 
 def _write_manifest(manifest: Manifest, path: Any, report: PreloadReport) -> None:
@@ -155,16 +202,24 @@ def _manifest_info(backend: CompletionBackend, span_tokens: int) -> ManifestInfo
                         protocol=backend.span_protocol())
 
 
-def _spans_of_corpus(corpus: Any, tokenizer: Any, info: ManifestInfo, text_field: str,
-                     id_field: str | None, report: PreloadReport) -> _Work:
-    work = _Work([], {})
+def _documents_of_corpus(corpus: Any, text_field: str, id_field: str | None,
+                         report: PreloadReport) -> list[Document]:
+    documents = []
     for item in iter_corpus(corpus, text_field=text_field, id_field=id_field):
         if isinstance(item, IgnoredFile):
             report.ignored_files.append(item.source)
         elif isinstance(item, CorpusProblem):
             report.problems.append(item)
         else:
-            _add_document(work, item, tokenizer, info, report)
+            documents.append(item)
+    return documents
+
+
+def _spans_of_documents(documents: list[Document], tokenizer: Any, info: ManifestInfo,
+                        report: PreloadReport) -> _Work:
+    work = _Work([], {})
+    for document in documents:
+        _add_document(work, document, tokenizer, info, report)
     return work
 
 
@@ -230,11 +285,10 @@ def _with_outcome(record: SpanRecord, outcome: SpanPrefill | BaseException | str
     return dataclasses.replace(record, status=status, cached_tokens=outcome.cached_tokens)
 
 
-def _summarise(report: PreloadReport, records: list[SpanRecord], work: _Work,
-               started: float) -> None:
+def _summarise(report: PreloadReport, records: list[SpanRecord], started: float) -> None:
     by_key = {r.span_key: r for r in records}
-    report.spans = len(work.spans)
-    report.tokens = sum(len(s) for s in work.spans.values())
+    report.spans = len(by_key)
+    report.tokens = sum(len(r.token_ids) for r in by_key.values())
     for record in by_key.values():
         report.status_counts[record.status] = report.status_counts.get(record.status, 0) + 1
     report.failed_spans = [CorpusProblem(f"{r.doc_id} span {r.span_index}", r.error or "failed")
