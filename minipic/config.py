@@ -12,9 +12,9 @@ minipic is never reused with it.
 Options (all optional): the span protocol's marker ids `ssep_token_id`,
 `pdep_token_id`, `pad_token_id`, ... (default: the tokenizer's reserved special
 tokens), `enabled` (false turns an `additional_config` section off),
-`mask_markers` (true: marker and padding keys are hidden from every query but
-their own and take no room in positions; see docs/accuracy.md for what it
-does to answers), `recipe` (the
+`mask_markers` (true: marker and padding keys are hidden from every query
+outside their own span and take no room in positions; see docs/accuracy.md for
+what it does to answers), `recipe` (the
 span prompt the API server builds from a chat request's `documents`: "epic",
 the default, "epic2" (two recomputed blocks per document) or "block_attention"; see
 minipic/serving/chat_documents.py). Any other

@@ -65,18 +65,33 @@ def epic_mask_and_positions(header: int, spans: list[int], links: list[int], tas
 
 
 def quiet_taking_no_room(tokens: list[int], allowed: torch.Tensor, positions: torch.Tensor,
-                         quiet_ids: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                         protocol, own_span: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """minipic's mask_markers on a (mask, positions) layout: marker and padding keys are
-    seen by their own query only, and take no room: every token stands as many positions
-    earlier as there are such tokens at earlier positions among what the last token
-    sees (a span head its link replaces is not seen)."""
+    seen by their own query and their own SSep span's queries only (`own_span=False`:
+    by their own query only, the option's earlier rule), and take no room: every token
+    stands as many positions earlier as there are such tokens at earlier positions among
+    what the last token sees (a span head its link replaces is not seen). A span's keys
+    keep their distances inside it: its SSep stands one before its first body token."""
     n = len(tokens)
+    quiet_ids = protocol.markers | {protocol.pad_token_id}
     quiet = torch.tensor([t in quiet_ids for t in tokens])
     seen = allowed[n - 1].clone()
     seen[n - 1] = True
     hidden_positions = positions[seen & quiet]
     moved = positions - (hidden_positions[None, :] < positions[:, None]).sum(dim=1)
-    return allowed & (~quiet[None, :] | torch.eye(n, dtype=torch.bool)), moved
+    # Each token's segment: the last marker at or before it; SSep segments are spans,
+    # whose tokens keep their distances from their SSep, one before the first body token.
+    is_marker = torch.tensor([t in protocol.markers for t in tokens])
+    segment = torch.where(is_marker, torch.arange(n), -1).cummax(dim=0).values
+    in_span = torch.tensor([s >= 0 and tokens[s] == protocol.ssep_token_id
+                            for s in segment.tolist()])
+    start = segment.clamp(min=0)
+    moved = torch.where(in_span, moved[(start + 1).clamp(max=n - 1)] - 1 + torch.arange(n) - start,
+                        moved)
+    seen_by = ~quiet[None, :] | torch.eye(n, dtype=torch.bool)
+    if own_span:
+        seen_by |= in_span[:, None] & (segment[:, None] == segment[None, :])
+    return allowed & seen_by, moved
 
 
 class BlockAttentionReference:

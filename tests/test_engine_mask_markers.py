@@ -1,5 +1,5 @@
-"""minipic's mask_markers option on a real engine: marker and padding keys hidden, and
-taking no room (every token stands as many positions earlier as there are such tokens
+"""minipic's mask_markers option on a real engine: marker and padding keys hidden from
+everything outside their span, and taking no room (every token stands as many positions earlier as there are such tokens
 before it), for Block-Attention and EPIC prompts."""
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ def reference(tiny_model):
     return BlockAttentionReference(tiny_model)
 
 
-def quiet_reference(reference, prompt, protocol, allowed, positions, no_room=True):
-    quiet_ids = protocol.markers | {protocol.pad_token_id}
-    moved_allowed, moved = quiet_taking_no_room(prompt.final, allowed, positions, quiet_ids)
+def quiet_reference(reference, prompt, protocol, allowed, positions, no_room=True,
+                    own_span=True):
+    moved_allowed, moved = quiet_taking_no_room(prompt.final, allowed, positions, protocol,
+                                                own_span)
     return reference.greedy_masked(prompt.final, moved_allowed, moved if no_room else positions,
                                    STEPS)
 
@@ -50,11 +51,14 @@ def test_block_attention_markers_and_padding_hidden_and_taking_no_room(llm, refe
     positions = torch.arange(len(prompt.final))
     tokens, logprobs = quiet_reference(reference, prompt, protocol, allowed, positions)
     assert_same_output(out, tokens, logprobs)
-    # Guards: hidden but taking room, and plain Block-Attention, give other logprobs.
+    # Guards: hidden but taking room, hidden from their own span too, and plain
+    # Block-Attention, give other logprobs.
     _, taking_room = quiet_reference(reference, prompt, protocol, allowed, positions,
                                      no_room=False)
+    _, hidden_in_span = quiet_reference(reference, prompt, protocol, allowed, positions,
+                                        own_span=False)
     _, unmasked = reference.greedy(spans, task, STEPS)
-    for other in (taking_room, unmasked):
+    for other in (taking_room, hidden_in_span, unmasked):
         assert max(abs(a - b) for a, b in zip(logprobs, other)) > 10 * LOGPROB_ATOL
 
 
@@ -75,4 +79,7 @@ def test_epic_markers_and_padding_hidden_and_taking_no_room(llm, reference):
     assert_same_output(out, tokens, logprobs)
     _, taking_room = quiet_reference(reference, prompt, protocol, allowed, positions,
                                      no_room=False)
-    assert max(abs(a - b) for a, b in zip(logprobs, taking_room)) > 10 * LOGPROB_ATOL
+    _, hidden_in_span = quiet_reference(reference, prompt, protocol, allowed, positions,
+                                        own_span=False)
+    for other in (taking_room, hidden_in_span):
+        assert max(abs(a - b) for a, b in zip(logprobs, other)) > 10 * LOGPROB_ATOL

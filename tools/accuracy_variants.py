@@ -23,6 +23,9 @@ Variants:
   ..._noroom       the same, and markers and padding take no room: every token stands
                    as many positions earlier as there are hidden tokens before it in the
                    sequence the task sees
+  ..._sink         (with _noroom) each SSep marker is also seen by its own span's queries,
+                   one position before the span's first body token: the span's attention
+                   sink when it is prefilled alone, hidden from everything after it
 
     python tools/accuracy_variants.py --questions 100 --variants stock,epic1,epic1_header
 
@@ -108,7 +111,7 @@ def with_header_copies(base: Layout, layout) -> Layout:
     return Layout(tokens, allowed, positions)
 
 
-def quiet(built: Layout, protocol: SpanProtocol, no_room: bool) -> Layout:
+def quiet(built: Layout, protocol: SpanProtocol, no_room: bool, sink: bool = False) -> Layout:
     """Marker and padding keys hidden from every query but their own; with `no_room`
     every token also stands as many positions earlier as there are hidden tokens before
     its position in the sequence the last token sees (links in place of span heads)."""
@@ -116,12 +119,20 @@ def quiet(built: Layout, protocol: SpanProtocol, no_room: bool) -> Layout:
                            for t in built.tokens])
     n = len(built.tokens)
     allowed = built.allowed & (~hidden[None, :] | torch.eye(n, dtype=torch.bool))
+    ssep = torch.tensor([t == protocol.ssep_token_id for t in built.tokens])
+    if sink:  # a span query sees its span's marker (the base layout keeps it to its span)
+        in_span = ~built.allowed[:, 0]  # only span queries do not see the header's start
+        allowed |= built.allowed & ssep[None, :] & in_span[:, None]
     positions = built.positions
     if no_room:
         seen = built.allowed[n - 1].clone()
         seen[n - 1] = True
         hidden_positions = built.positions[seen & hidden]
         positions = positions - (hidden_positions[None, :] < positions[:, None]).sum(dim=1)
+        # as the engine reads a span's keys: its marker one before its first body token
+        # (its padding, seen by nothing outside it, is not moved)
+        marker = torch.nonzero(ssep).flatten()
+        positions[marker] = positions[(marker + 1).clamp(max=n - 1)] - 1
     return Layout(built.tokens, allowed, positions)
 
 
@@ -146,7 +157,7 @@ def build(variant: str, question, tokenizer, protocol: SpanProtocol) -> Layout:
         if "header" in modifiers:
             built = with_header_copies(built, layout)
     if "quiet" in modifiers or "noroom" in modifiers:
-        built = quiet(built, protocol, no_room="noroom" in modifiers)
+        built = quiet(built, protocol, no_room="noroom" in modifiers, sink="sink" in modifiers)
     return built
 
 

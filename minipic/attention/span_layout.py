@@ -116,8 +116,8 @@ class SpanLayout:
     frame_offset: torch.Tensor
     links_end: torch.Tensor | None = None  # [reqs] int32; None: zeros (no links)
     link_tokens: torch.Tensor | None = None
-    # With mask_markers only, [reqs, tokens]: marker and padding keys, which no
-    # query but their own sees (quiet), and where every token stands when markers and
+    # With mask_markers only, [reqs, tokens]: marker and padding keys, which no query
+    # outside their own span sees (quiet), and where every token stands when markers and
     # padding take no room (logical, see logical_positions); [reqs, blocks]: how far
     # each block's stored keys are turned forward when read (read_offset; None: by
     # frame_offset).
@@ -142,12 +142,20 @@ class SpanLayout:
         return bool(self.shift.any())
 
     def is_plain(self) -> bool:
-        """Stock causal attention over keys at their positions: no links, nothing quiet,
-        and no span but at a prompt's start (a span prefilled alone). A query in such a
-        span sees every key before it, and its frame is the prompt's: stock attention
-        gives it exactly its span's KV."""
-        quiet = self.quiet is not None and bool(self.quiet.any())
-        return not bool(self.frame_offset.any()) and not self.has_links() and not quiet
+        """Stock causal attention over keys at their positions: no links, no span but at
+        a prompt's start (a span prefilled alone), and no quiet key where a query outside
+        spans could see it. A query in such a span sees every key before it, its marker
+        included, and its frame is the prompt's: stock attention gives it exactly its
+        span's KV."""
+        return not bool(self.frame_offset.any()) and not self.has_links() \
+            and not self._quiet_outside_spans()
+
+    def _quiet_outside_spans(self) -> bool:
+        """Some request has quiet keys and a block outside spans (mask_markers)."""
+        if self.quiet is None:
+            return False
+        has_quiet = self.quiet.any(dim=1).to(self.span_of.device)
+        return bool((has_quiet & (self.span_of < 0).any(dim=1)).any())
 
 
 def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_size: int,
@@ -253,17 +261,26 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
 
 
 def take_no_room(layout: SpanLayout, quiet: torch.Tensor, block_size: int) -> None:
-    """mask_markers: marker and padding keys hidden from every query but their own, and
-    taking no room. Every token stands as many positions earlier as there are quiet
-    tokens before it in the sequence the task sees (layout.logical); a span's keys, kept
-    in its frame, are turned forward to where its first body token stands, less one for
-    its SSep (layout.read_offset). Links take no room through the same positions, so the
-    torch backend's second score for keys before the links is not needed."""
+    """mask_markers: marker and padding keys hidden from every query outside their own
+    span, and taking no room. Every token stands as many positions earlier as there are
+    quiet tokens before it in the sequence the task sees (layout.logical); a span's keys,
+    kept in its frame, are turned forward to where its first body token stands, less one
+    for its SSep (layout.read_offset), and inside a span its tokens keep their distances.
+    Links take no room through the same positions, so the torch backend's second score
+    for keys before the links is not needed."""
     layout.quiet = quiet
-    layout.logical = logical_positions(layout, quiet, block_size)
+    logical = logical_positions(layout, quiet, block_size)
     starts = (layout.span_of.clamp(min=0) * block_size + 1).long()
-    body = layout.logical.gather(1, starts.clamp(max=quiet.shape[1] - 1))
+    body = logical.gather(1, starts.clamp(max=quiet.shape[1] - 1))
     layout.read_offset = torch.where(layout.span_of >= 0, body - 1, 0).to(torch.int32)
+    # Inside a span every token stands where its key is read: at its distance from its
+    # SSep, as when the span is prefilled alone (its queries see their SSep and padding).
+    index = torch.arange(quiet.shape[1], device=logical.device).expand_as(logical)
+    block = index // block_size
+    span_start = layout.span_of.gather(1, block) * block_size
+    layout.logical = torch.where(span_start >= 0,
+                                 layout.read_offset.gather(1, block) + index - span_start,
+                                 logical).to(torch.int32)
 
 
 def logical_positions(layout: SpanLayout, quiet: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -372,6 +389,9 @@ def visible_keys(layout: SpanLayout, row: int, seq_len: int, num_queries: int,
     q_span, q_context = span[q, None], context[q, None]
     same_span = span[None, :] == q_span
     visible = torch.where(q_span >= 0, same_span, context[None, :] <= q_context)
-    if layout.quiet is not None:  # a quiet key is seen by its own query only
-        visible &= ~layout.quiet[row, :seq_len].to(device)[None, :] | (key_pos[None, :] == key_pos[q, None])
+    if layout.quiet is not None:
+        # A quiet key is seen by its own query and its own span's (a span's marker is the
+        # sink its tokens attended to when it was prefilled alone), by nothing after it.
+        quiet = layout.quiet[row, :seq_len].to(device)[None, :]
+        visible &= ~quiet | (key_pos[None, :] == key_pos[q, None]) | (q_span >= 0)
     return visible & (key_pos[None, :] <= key_pos[q, None])

@@ -135,13 +135,14 @@ def _span_visible(q_span, q_context, k_span, k_context):
 
 
 @triton.jit
-def _seen_if_quiet(quiet_ptr, seq_idx, quiet_stride, offs_t, t_mask, query_pos):
+def _seen_if_quiet(quiet_ptr, seq_idx, quiet_stride, offs_t, t_mask, query_pos, q_span):
     """(rows, keys): False where a key is quiet (a marker or padding, mask_markers) and
-    the row is not its own token's query."""
+    the row is neither its own token's query nor a query in a span (which sees its own
+    span's keys only: its marker is the sink it attended to when prefilled alone)."""
     words = tl.load(quiet_ptr + seq_idx.to(tl.int64) * quiet_stride + offs_t // 32,
                     mask=t_mask, other=0)
     quiet = ((words >> (offs_t % 32)) & 1) != 0
-    return ~quiet[None, :] | (offs_t[None, :] == query_pos[:, None])
+    return ~quiet[None, :] | (offs_t[None, :] == query_pos[:, None]) | (q_span[:, None] >= 0)
 
 
 @triton.jit
@@ -344,7 +345,7 @@ def minipic_attention_kernel(
             visible = visible & _span_visible(q_span, q_context, k_span, k_context)
         if HAS_QUIET:
             visible = visible & _seen_if_quiet(quiet_ptr, seq_idx, quiet_stride, offs_t, t_mask,
-                                               query_abs_pos)
+                                               query_abs_pos, q_span)
         S = tl.where(visible, S, float("-inf"))
 
         # Online softmax (base 2). M stays the true running max, -inf while a row has
@@ -550,7 +551,7 @@ def unified_attention_rope(
     link_tokens positions nearer); without them (HAS_SPAN_TABLES off) the launch is
     plain causal attention over K as stored and reads no table. Link tokens' Q must
     already be turned back (attention.links). `quiet_bits` [seqs, words] int32
-    (quiet_words; with the span tables only): keys no query but their own sees.
+    (quiet_words; with the span tables only): keys no query outside their own span sees.
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

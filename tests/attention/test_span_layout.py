@@ -134,8 +134,29 @@ def test_quiet_tokens_take_no_room():
     take_no_room(found, quiet_keys(tokens, P), 4)
     real = ~found.quiet[0]
     assert found.logical[0][real].tolist() == [0, 1, 2, 3, 4, 5, 6]
-    # the span, stored relative to its SSep, is read from one before its first body token
+    # the span, stored relative to its SSep, is read from one before its first body token,
+    # where its SSep stands
     assert found.read_offset.tolist() == [[0, 1, 0]]
+    assert found.logical[0, 4] == 1
+
+
+def test_a_span_sees_its_own_marker_and_nothing_after_it_does():
+    """mask_markers: a span's SSep is the sink its tokens attended to when it was
+    prefilled alone; the task after it sees neither it nor padding, and a span prefilled
+    alone is plain causal attention (stock kernels), with a task after it is not."""
+    from minipic.attention.span_layout import quiet_keys, take_no_room, visible_keys
+
+    tokens = torch.tensor([[3, 9, 9, 5, 4, 9, 9, 9]])  # span [SSep 9 9 pad], task [PDep 9 9 9]
+    found = layout(tokens[0, ::4].tolist(), block_size=4)
+    take_no_room(found, quiet_keys(tokens, P), 4)
+    seen = visible_keys(found, 0, 8, 8, 4)
+    assert seen[1:3, 0].all()  # the span's body sees its SSep
+    assert not seen[4:, 0].any() and not seen[5:, 3].any() and not seen[5:, 4].any()
+    assert seen[5:, 1:3].all()
+    assert not found.is_plain()
+    alone = layout([3, 9], block_size=4)
+    take_no_room(alone, quiet_keys(torch.tensor([[3, 9, 9, 9, 9, 9, 5, 5]]), P), 4)
+    assert alone.is_plain()
 
 
 def test_quiet_tokens_and_links_take_no_room_together():
@@ -152,6 +173,7 @@ def test_quiet_tokens_and_links_take_no_room_together():
     assert logical[8].tolist() == 5  # the tail's token
     assert logical[17:20].tolist() == [6, 7, 8]  # the task right after it
     assert logical[5:8].tolist() == [2, 3, 4]  # the solo head shares its link's places
+    assert logical[4] == 1  # its SSep one before, where the tail reads it from
 
 
 def test_only_the_batchs_own_tokens_decide_whether_keys_turn():

@@ -331,10 +331,10 @@ def _quiet_tokens(markers: str, seq_len: int, pads: int):
 def _run_backend_mask_markers() -> float | str:
     """Child process: mask_markers through MiniPICFlashMetadataBuilder.build, the KV cache
     write and forward, for the EPIC hit (header and spans cached, links and task
-    computed), a decode past its links, and a task after a span at the prompt's start
-    (read from one before it: a negative frame offset), against attention at the tokens'
-    logical positions under span_layout.visible_keys with quiet keys (the torch
-    backend's rules)."""
+    computed), a decode past its links, and a span at the prompt's start computed with
+    the task after it (its queries see its SSep; the task reads it from one before the
+    span: a negative frame offset), against attention at the tokens' logical positions
+    under span_layout.visible_keys with quiet keys (the torch backend's rules)."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -355,7 +355,7 @@ def _run_backend_mask_markers() -> float | str:
     from minipic.devtools.paged_attention_case import MARKERS, make_case, relative_error
 
     markers = [LINKS, "-S-S-LP", "S--P"]
-    case = make_case([42, 1, 5], [80, 100, 50], num_q_heads=4, num_kv_heads=2, head_size=32,
+    case = make_case([42, 1, 50], [80, 100, 0], num_q_heads=4, num_kv_heads=2, head_size=32,
                      dtype=torch.float32, markers=markers, seed=13)
     bs, dim, seq_lens = case.block_size, 32, case.seq_lens.tolist()
     width = case.block_table.shape[1] * bs

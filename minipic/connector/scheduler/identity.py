@@ -66,9 +66,9 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any, connector_cls: Any) -> dic
     if env_layout:
         layout["env_kv_cache_layout"] = env_layout
     # Hidden marker keys, taking no room, change every later key's value: only when set,
-    # as above (stores of the earlier "hidden, taking room" option had True here).
+    # as above (stores of earlier versions of the option: True, "hidden, taking no room").
     if mask_markers(vllm_config):
-        layout["mask_markers"] = "hidden, taking no room"
+        layout["mask_markers"] = "hidden outside their span, taking no room"
     return layout
 
 
