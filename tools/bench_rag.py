@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minipic.devtools.bench_setup import (  # noqa: E402
-    DEFAULT_DISK_PHASES, connector_extra, disk_phase_list, gib, int_list, make_model, random_words)
+    DEFAULT_DISK_PHASES, connector_extra, disk_phase_list, gib, int_list, make_model,
+    minipic_option_pairs, random_words)
 from minipic.devtools.rag_workload import TASK_TOKENS, RagWorkload, rag_workload  # noqa: E402
 from minipic.devtools.store_totals import store_totals  # noqa: E402
 from minipic.devtools.timing import timed  # noqa: E402
@@ -194,12 +195,13 @@ def engine_args(spec: dict, config: Config, max_num_seqs: int) -> tuple[dict, st
             attention = config.attention
         else:  # vLLM has one attention backend on CPU: configs 1 and 2 are the same engine
             attention = f"CPU backend ({config.attention} exists on CUDA only)"
+    options = {**spec["markers"], **(spec.get("minipic_options") or {})}
     if config.disk_warm:
-        args["kv_transfer_config"] = connector_config(spec["arch"], spec["store"], spec["markers"],
+        args["kv_transfer_config"] = connector_config(spec["arch"], spec["store"], options,
                                                       spec.get("disk_max_bytes"),
                                                       spec.get("cpu_bytes"))
     elif config.minipic:
-        args["additional_config"] = {"minipic": dict(spec["markers"])}
+        args["additional_config"] = {"minipic": options}
     return args, attention
 
 
@@ -637,6 +639,9 @@ def parse_args() -> argparse.Namespace:
     common.add_argument("--out", type=Path, default=Path("bench_rag_out"), help="a directory")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--eager", action="store_true", help="enforce_eager (faster start)")
+    common.add_argument("--minipic-option", action="append", metavar="KEY=VALUE",
+                        help="into the minipic engines' options, e.g. mask_markers=true "
+                             "(repeatable; table1 only)")
     common.add_argument("--quick", action="store_true", help="tiny sizes, for smoke runs")
     common.add_argument("--cpu-gb", type=float,
                         help="the connector's CPU tier, config 6 and figure2's TTFT (default: "
@@ -736,6 +741,7 @@ def main() -> None:
                     batch_size=getattr(args, "batch_size", None),
                     repeat_window=getattr(args, "repeat_window", None),
                     recipe=getattr(args, "recipe", None),
+                    minipic_options=minipic_option_pairs(args.minipic_option),
                     profile_dir=str(args.profile_dir.resolve())
                     if getattr(args, "profile_dir", None) else None)
         args.func(args, base, Path(tmp))

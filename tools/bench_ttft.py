@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minipic.devtools.bench_setup import (  # noqa: E402
-    DEFAULT_DISK_PHASES, disk_phase_list, gib, int_list)
+    DEFAULT_DISK_PHASES, disk_phase_list, gib, int_list, minipic_option_pairs)
 from minipic.devtools.ttft_phases import measure  # noqa: E402
 
 
@@ -66,11 +66,14 @@ def main() -> None:
                         help="disk phases, e.g. warm:4,warm:16,cold:16 (module docstring)")
     parser.add_argument("--recipe", choices=["block_attention", "epic"], default="block_attention",
                         help="span prompt layout (EPIC recomputes one link block per document)")
+    parser.add_argument("--minipic-option", action="append", metavar="KEY=VALUE",
+                        help="into the minipic engine's options, e.g. mask_markers=true")
     args = parser.parse_args()
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,
                       disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb),
-                      recipe=args.recipe)
+                      recipe=args.recipe,
+                      minipic_options=minipic_option_pairs(args.minipic_option))
     report(results, args)
 
 

@@ -8,8 +8,10 @@ import another one, and both build the same engine and the same kind of prompts.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from pathlib import Path
+from typing import Any
 
 TINY_MARKERS = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5, "link_token_id": 6}
 
@@ -47,6 +49,21 @@ def random_words(rng: random.Random, arch: str):
     """n random ordinary token ids (above every special and marker id of either model)."""
     vocab = 400 if arch == "tiny" else 120000
     return lambda n: [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def minipic_option_pairs(pairs: list[str] | None) -> dict[str, Any]:
+    """`--minipic-option KEY=VALUE` pairs for additional_config.minipic; VALUE is read as
+    JSON when it parses (true, 3, "x"), else kept as a string."""
+    options = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--minipic-option wants KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def gib(size: float | None) -> int | None:

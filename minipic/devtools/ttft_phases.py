@@ -157,7 +157,7 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
 def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
             save=lambda results: None, profile_dir: Path | None = None,
             disk_phases: list[str] = ("warm:4",), cpu_bytes: int | None = None,
-            recipe: str = "block_attention") -> list[dict]:
+            recipe: str = "block_attention", minipic_options: dict | None = None) -> list[dict]:
     """All phases, each in its own process; `save(results)` after each (a late failure keeps
     the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,7 +172,9 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
         child = Path(tmp) / "child.json"  # token lists: too long for a command line
         store = f"{tmp}/store"
         child.write_text(json.dumps(dict(model=model, engine=engine, load=load,
-                                         connector=connector_extra(arch, store, markers, cpu_bytes),
+                                         connector={**connector_extra(arch, store, markers,
+                                                                      cpu_bytes),
+                                                    **(minipic_options or {})},
                                          profile_dir=profile_dir and str(profile_dir))))
         results = []
         for phase in phases:
