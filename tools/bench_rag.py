@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, connector_extra, disk_phase_list, gib, int_list, make_model,
     minipic_option_pairs, random_words)
@@ -655,9 +656,9 @@ def parse_args() -> argparse.Namespace:
                     help="a repeat draws from the N newest documents only (default: from all "
                          "earlier ones); a window whose spans fit the KV cache models a hot set")
     t1.add_argument("--samples", type=int, default=4000)
-    t1.add_argument("--recipe", choices=["block_attention", "epic"], default="block_attention",
-                    help="span prompts of configs 4-6 (EPIC adds one recomputed link block per "
-                         "document); configs 1-3 run the plain prompt either way")
+    t1.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default="block_attention",
+                    help="span prompts of configs 4-6 (epic adds one recomputed link block per "
+                         "document, epic2 two); configs 1-3 run the plain prompt either way")
     t1.add_argument("--warmup", type=int, default=64, help="samples run before timing")
     t1.add_argument("--max-num-seqs", type=int, default=1024, help="configs 1-4 and 6")
     t1.add_argument("--isps-seqs", type=int_list, default=[64, 1024, 2048])

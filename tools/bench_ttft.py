@@ -43,6 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, disk_phase_list, gib, int_list, minipic_option_pairs)
 from minipic.devtools.ttft_phases import measure  # noqa: E402
@@ -64,8 +65,9 @@ def main() -> None:
     parser.add_argument("--cpu-gb", type=float, help="the connector's CPU tier (default 8 on 8B)")
     parser.add_argument("--disk-phases", type=disk_phase_list, default=DEFAULT_DISK_PHASES,
                         help="disk phases, e.g. warm:4,warm:16,cold:16 (module docstring)")
-    parser.add_argument("--recipe", choices=["block_attention", "epic"], default="block_attention",
-                        help="span prompt layout (EPIC recomputes one link block per document)")
+    parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default="block_attention",
+                        help="span prompt layout (epic recomputes one link block per document, "
+                             "epic2 two)")
     parser.add_argument("--minipic-option", action="append", metavar="KEY=VALUE",
                         help="into the minipic engine's options, e.g. mask_markers=true")
     args = parser.parse_args()

@@ -81,7 +81,8 @@ def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_s
                  markers: dict, window: int | None = None,
                  recipe: str = "block_attention") -> RagWorkload:
     """Seeded and reproducible: the same arguments give the same token ids in every process."""
-    from minipic.client import block_attention, epic, make_span
+    from minipic.client import make_span
+    from minipic.client.prompts.recipes import RECIPES_BY_NAME
     from minipic.protocol import SpanProtocol
 
     rng = random.Random(seed)
@@ -91,7 +92,7 @@ def rag_workload(arch: str, samples: int, repeat_rate: float, seed: int, block_s
     pool, chosen = draw_documents(
         samples, repeat_rate, rng, lambda: make_span(words(DOC_TOKENS), protocol, block_size),
         window)
-    build = {"block_attention": block_attention, "epic": epic}[recipe]
+    build = RECIPES_BY_NAME[recipe]
     prompts = [build([pool[d] for d in docs], words(TASK_TOKENS), system=system,
                      protocol=protocol, block_size=block_size) for docs in chosen]
     slots = samples * DOCS_PER_SAMPLE

@@ -40,10 +40,10 @@ def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, bl
     GPU memory. The phases share the document sets (the spans come from the gpu-hit phase) and
     differ in the question and the document order.
     """
-    from minipic.client import block_attention, epic
+    from minipic.client.prompts.recipes import RECIPES_BY_NAME
     from minipic.protocol import SpanProtocol
 
-    build = {"block_attention": block_attention, "epic": epic}[recipe]
+    build = RECIPES_BY_NAME[recipe]
     rng = random.Random(0)
     words = random_words(rng, arch)
     protocol = SpanProtocol.from_dict(markers)
@@ -163,7 +163,7 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
     with tempfile.TemporaryDirectory() as tmp:
         model, engine, markers = make_model(arch, Path(tmp))
         needed = final_prompt_tokens(doc_counts, doc_tokens, engine["block_size"]) + 64
-        needed += max(doc_counts) * engine["block_size"]  # EPIC's link blocks
+        needed += 2 * max(doc_counts) * engine["block_size"]  # EPIC's links (epic2: 2 a doc)
         engine["max_model_len"] = max(engine["max_model_len"], needed)
         engine["enforce_eager"] = engine.get("enforce_eager", False) or eager
         phases = phases_of(list(disk_phases))
