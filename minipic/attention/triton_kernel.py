@@ -212,7 +212,7 @@ def minipic_attention_kernel(
     PREFETCH: tl.constexpr,
     HAS_SPAN_TABLES: tl.constexpr,  # minipic spans and links (see minipic.attention.span_layout)
     SPAN_BLOCK: tl.constexpr,  # block size the span tables are indexed by
-    HAS_QUIET: tl.constexpr,  # mask_markers: marker and padding keys seen by their own query only
+    HAS_QUIET: tl.constexpr,  # mask_markers: marker and padding keys seen in their span only
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)

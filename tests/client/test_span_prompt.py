@@ -276,6 +276,23 @@ def test_marker_in_bodies(tokenizer, protocol):
         make_span([7, protocol.ssep_token_id], protocol, B)
 
 
+def test_padding_ends_spans_and_nothing_else(protocol):
+    """Padding inside a document would take room inside its span and none after it
+    (mask_markers): the task would stand on the span's last tokens. Refused, with the
+    position; a pre-built span's own trailing padding is fine."""
+    pad = protocol.pad_token_id
+    with pytest.raises(SpanPromptError, match=r"document 0 contains the padding token .* "
+                                              r"position 1"):
+        block_attention([[7, pad, 8]], [9], protocol=protocol, block_size=B)
+    with pytest.raises(SpanPromptError, match="^task contains the padding token"):
+        block_attention([[7, 8]], [9, pad], protocol=protocol, block_size=B)
+    built = make_span([7, 8], protocol, B)  # [SSep 7 8 pad]
+    assert built in block_attention([built], [9], protocol=protocol, block_size=B).span_prefills
+    inner = [protocol.ssep_token_id, 7, pad, 8]
+    with pytest.raises(SpanPromptError, match="document 0 contains the padding token"):
+        block_attention([inner], [9], protocol=protocol, block_size=B)
+
+
 def test_bad_documents(tokenizer, protocol):
     kwargs = dict(protocol=protocol, block_size=B, tokenizer=tokenizer)
     with pytest.raises(SpanPromptError, match="document 1 is empty"):

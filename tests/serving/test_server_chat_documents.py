@@ -135,10 +135,13 @@ def test_streaming_n_and_cache_salt(client, tokenizer):
         stream_options={"include_usage": True}, extra_body={"documents": [DOC_A, DOC_B]}))
     expected = expected_prompt(tokenizer, messages, [DOC_A, DOC_B])
     assert chunks[-1].usage.prompt_tokens == len(expected.final)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = chat(client, messages, [DOC_A, DOC_B], max_tokens=4)
+    assert streamed and streamed == whole.choices[0].message.content  # the same span prompt
 
     two = chat(client, messages, [DOC_B, DOC_A], n=2, temperature=1.0, seed=0)
-    assert len(two.choices) == 2
+    assert len(two.choices) == 2 and all(c.message.content for c in two.choices)
+    assert prompt_ids(two) == expected_prompt(tokenizer, messages, [DOC_B, DOC_A]).final
 
     salted = [chat(client, messages, [DOC_A, DOC_B], extra_body={"cache_salt": "tenant-x"})
               for _ in range(2)]
@@ -146,12 +149,15 @@ def test_streaming_n_and_cache_salt(client, tokenizer):
     assert cached(salted[1]) > 0
 
 
-def test_tools_keep_working(client):
+def test_tools_keep_working(client, tokenizer):
+    """A request with tools and documents is served from the span prompt (this template
+    does not render tools; one that does sees them in both of minipic's renderings)."""
     tools = [{"type": "function", "function": {
         "name": "lookup", "description": "look a city up",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
     response = chat(client, [SYSTEM, QUESTION], [DOC_A], tools=tools, tool_choice="none")
-    assert response.choices[0].message.content is not None
+    assert response.choices[0].message.content
+    assert prompt_ids(response) == expected_prompt(tokenizer, [SYSTEM, QUESTION], [DOC_A]).final
 
 
 def test_request_without_documents_is_untouched(client, tokenizer):

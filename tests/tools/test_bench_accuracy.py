@@ -50,13 +50,6 @@ def test_doc_region_counts_markers_and_padding_as_document_tokens():
         bench_accuracy.doc_region(final, [77], 3, frozenset({ssep, pdep}))
 
 
-def test_minipic_options_are_parsed_as_json_values():
-    assert bench_accuracy.parse_options(["mask_markers=true", "n=3", "name=x"]) == {
-        "mask_markers": True, "n": 3, "name": "x"}
-    with pytest.raises(SystemExit, match="KEY=VALUE"):
-        bench_accuracy.parse_options(["mask_markers"])
-
-
 def test_unknown_method_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench_accuracy.parse_args(["--methods", "stock,nope", "--model", "/m"])
@@ -93,10 +86,11 @@ def test_tool_runs_and_gets_the_hits_it_expects(smollm2_model, tmp_path):
     subprocess.run([sys.executable, str(REPO / "tools" / "bench_accuracy.py"), "--questions",
                     "2", "--methods", "block_attention", "--out", str(tmp_path), "--model",
                     smollm2_model], check=True, timeout=600)
-    summary = json.loads((tmp_path / "accuracy-2.json").read_text())["methods"]
+    summary = json.loads((tmp_path / "accuracy-2-block_attention.json").read_text())["methods"]
     assert summary["block_attention"]["cached_equals_expected"] == [2, 2]
     assert summary["block_attention"]["doc_cache_fraction"] == 1.0
-    assert (tmp_path / "accuracy-2.md").read_text().startswith("# Accuracy: 2 questions")
+    assert (tmp_path / "accuracy-2-block_attention.md").read_text().startswith(
+        "# Accuracy: 2 questions")
 
 
 def _record(qid: int, match: bool) -> dict:
@@ -123,7 +117,7 @@ def test_report_only_compares_methods_on_the_questions_both_answered(tmp_path):
     assert len(bench_accuracy.read_records(tmp_path / "records-epic.partial.jsonl.gz")) == 4
     bench_accuracy.main(["--questions", "6", "--methods", "stock,epic", "--out", str(tmp_path),
                          "--report-only", "--model", "unused"])
-    summary = json.loads((tmp_path / "accuracy-4.json").read_text())
+    summary = json.loads((tmp_path / "accuracy-4-stock-epic.json").read_text())
     assert summary["meta"]["questions"] == 4 and summary["meta"]["asked"] == 6
     assert summary["methods"]["stock"]["exact_match"] == 0.5
     assert summary["methods"]["epic"]["exact_match"] == 1.0
@@ -175,9 +169,24 @@ def test_a_shorter_run_reuses_a_longer_runs_records(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_accuracy, "run_child", no_run)
     bench_accuracy.main(["--questions", "4", "--methods", "stock,epic", "--out", str(tmp_path),
                          "--resume", "--model", "unused"])
-    summary = json.loads((tmp_path / "accuracy-4.json").read_text())
+    summary = json.loads((tmp_path / "accuracy-4-stock-epic.json").read_text())
     assert summary["meta"]["questions"] == 4
     assert len(bench_accuracy.read_records(tmp_path / "records-stock.jsonl.gz")) == 6
+
+
+def test_two_runs_with_one_tag_keep_both_summaries(tmp_path):
+    """stock,epic2 and stock,block_attention with the same --tag: each summary is named by
+    its methods (the second used to overwrite the first)."""
+    for name in ("stock", "epic2-sink", "block_attention-sink"):  # stock's file has no tag
+        with gzip.open(tmp_path / f"records-{name}.jsonl.gz", "wt") as out:
+            out.write("".join(json.dumps(_record(i, name == "epic2")) + "\n" for i in range(3)))
+    for methods in ("stock,epic2", "stock,block_attention"):
+        bench_accuracy.main(["--questions", "3", "--methods", methods, "--tag", "sink",
+                             "--out", str(tmp_path), "--report-only", "--model", "unused"])
+    first = json.loads((tmp_path / "accuracy-3-stock-epic2-sink.json").read_text())
+    second = json.loads((tmp_path / "accuracy-3-stock-block_attention-sink.json").read_text())
+    assert set(first["methods"]) == {"stock", "epic2"}
+    assert set(second["methods"]) == {"stock", "block_attention"}
 
 
 def test_a_longer_run_continues_a_finished_shorter_one(tmp_path):

@@ -61,13 +61,16 @@ def to_tokens(piece: TextOrTokens, tokenizer: Any, where: str) -> list[int]:
 
 
 def check_body(tokens: Sequence[int], protocol: SpanProtocol, where: str) -> None:
-    """A body may not contain a marker (SSep, PDep, link): they only belong at block starts."""
-    names = protocol.marker_names()
+    """A body may not contain a marker (SSep, PDep, link): they only belong at block starts;
+    nor padding, which only ends a header or a span: with mask_markers padding takes no
+    room, and inside a span it would make the tokens after the span overlap it."""
+    names = {token: f"the {name} marker" for token, name in protocol.marker_names().items()}
+    names[protocol.pad_token_id] = "the padding token"
     for position, token in enumerate(tokens):
         if token in names:
             raise SpanPromptError(
-                f"{where} contains the {names[token]} marker (token id {token}) at "
-                f"position {position}; span markers may only be placed by the builder"
+                f"{where} contains {names[token]} (token id {token}) at position {position}; "
+                "span markers and padding may only be placed by the builder"
             )
 
 
@@ -103,9 +106,12 @@ def check_span(span: Sequence[int], protocol: SpanProtocol, block_size: int,
             f"{where} has {len(span)} tokens, not a multiple of block_size {block_size}: "
             "pad it (make_span does) so the next marker starts a block"
         )
-    check_body(span[1:], protocol, where)
-    if len(span) == 1 or all(t == protocol.pad_token_id for t in span[1:]):
+    body = span[1:]
+    while body and body[-1] == protocol.pad_token_id:  # its padding: a trailing run only
+        body = body[:-1]
+    if not body:
         raise SpanPromptError(f"{where} is empty (only SSep and padding)")
+    check_body(body, protocol, where)
     return span
 
 
