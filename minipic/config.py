@@ -15,9 +15,9 @@ tokens), `enabled` (false turns an `additional_config` section off),
 `mask_markers` (true: marker and padding keys are hidden from every query
 outside their own span and take no room in positions; see docs/accuracy.md for
 what it does to answers), `recipe` (the
-span prompt the API server builds from a chat request's `documents`: "epic",
-the default, "epic2" (two recomputed blocks per document) or "block_attention"; see
-minipic/serving/chat_documents.py). Any other
+span prompt the API server builds from a chat request's `documents`: "epic2",
+the default (two recomputed blocks per document), "epic" (one) or
+"block_attention"; see minipic/serving/chat_documents.py). Any other
 key in the `additional_config` section is refused at start-up (a typo would
 otherwise silently leave a default in force).
 """
@@ -49,6 +49,9 @@ ENGINE_OPTION_KEYS = frozenset(
 # of client.prompts.recipes.RECIPES_BY_NAME (not imported here: the client package is slow
 # to import, and this module loads in every engine process).
 SERVER_RECIPES = ("epic", "epic2", "block_attention")
+# The default: answers closest to full prefill on off-the-shelf models (docs/accuracy.md:
+# one recomputed block per document lost 10 points on SmolLM2-135M, two lost 2.6).
+DEFAULT_SERVER_RECIPE = "epic2"
 
 
 class UnknownOptionError(ValueError):
@@ -121,5 +124,5 @@ def check_recipe(value: Any, where: str) -> str:
 
 def server_recipe(vllm_config: Any) -> str:
     """The recipe for chat `documents` when a request names none (option `recipe`)."""
-    value = (minipic_options(vllm_config) or {}).get("recipe", "epic")
+    value = (minipic_options(vllm_config) or {}).get("recipe", DEFAULT_SERVER_RECIPE)
     return check_recipe(value, f"{CONFIG_KEY}.recipe")

@@ -136,13 +136,13 @@ def test_a_serves_finals_from_gpu_resident_spans(world):
     assert ns.blocks == sum(len(s) // BS for s in P["spans"])
 
 
-def test_1_restart_serves_spans_from_disk(world, restarted):
+def test_restart_serves_spans_from_disk(world, restarted):
     assert [r["cached"] for r in restarted["finals"]] == FULL_HITS
     assert [r["tokens"] for r in restarted["finals"]] == [r["tokens"] for r in world["a"]["finals"]]
     assert store_stats(world["store"]).counters["hit_blocks"] > 0
 
 
-def test_4_spans_load_at_other_offsets(world, restarted):
+def test_spans_load_at_other_offsets(world, restarted):
     """Each doc was stored from offset 0 (prefilled alone); the finals load them at
     offsets 32..160 from disk, and match A's GPU-resident hits token for token."""
     a = {name: r for name, r in zip(FINAL_NAMES, world["a"]["finals"])}
@@ -153,7 +153,7 @@ def test_4_spans_load_at_other_offsets(world, restarted):
     assert a["final"]["tokens"] != a["swapped"]["tokens"]
 
 
-def test_3_bad_files_are_skipped_and_recomputed(world):
+def test_bad_files_are_skipped_and_recomputed(world):
     from minipic.connector.store import block_file
 
     store = world["tmp"] / "store-c"
@@ -187,7 +187,7 @@ def test_3_bad_files_are_skipped_and_recomputed(world):
     assert_store_clean(store)  # bad files were removed and rewritten
 
 
-def test_2_replicas_share_one_store(world):
+def test_replicas_share_one_store(world):
     tmp, store = world["tmp"], world["tmp"] / "store-shared"
     sig = {n: str(tmp / f"sig-{n}") for n in ("p_up", "q_up", "p_spans")}
     p = start_engine(tmp, "P", world["model"], store, [
@@ -256,7 +256,7 @@ def test_gpu_hits_on_stored_spans_are_not_copied_back(world):
     assert ns.counters["duplicate_blocks"] == 0
 
 
-def test_6_spans_the_store_lost_are_written_back(world):
+def test_spans_the_store_lost_are_written_back(world):
     """A running engine holds its spans (GPU and CPU tier) and knows them stored; the store
     loses them (`minipic store evict`, as another replica's eviction or a wiped disk would).
     The next requests for them must write them back: they used to be skipped as stored."""
@@ -293,7 +293,7 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def test_5_vllm_serve_answers_span_prompts_with_hits(world):
+def test_vllm_serve_answers_span_prompts_with_hits(world):
     store = world["tmp"] / "store-serve"
     shutil.copytree(world["store"], store)
     kv = connector_config(extra_config(store))

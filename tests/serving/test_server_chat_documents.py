@@ -16,7 +16,8 @@ import openai
 import pytest
 from conftest import BLOCK_SIZE, api_server
 
-from minipic.client import block_attention, epic
+from minipic.client import block_attention
+from minipic.client.prompts.recipes import RECIPES_BY_NAME
 from minipic.protocol import SpanProtocol
 
 pytestmark = pytest.mark.engine
@@ -71,7 +72,7 @@ def rendered(tokenizer, messages, generation_prompt: bool) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def expected_prompt(tokenizer, messages, documents, recipe=epic):
+def expected_prompt(tokenizer, messages, documents, recipe=RECIPES_BY_NAME["epic2"]):
     """The span prompt minipic.client builds for the same conversation and documents."""
     system = [m for m in messages if m["role"] == "system"]
     header = rendered(tokenizer, system, False) if system else []
@@ -115,8 +116,12 @@ def test_answer_equals_the_client_built_span_prompt(client, tokenizer):
                                      temperature=0)
     assert answer.choices[0].message.content == same.choices[0].text
     # Same header and documents in the same order as the call before: the link blocks
-    # (one per document, hashed over everything before them) hit as well.
-    assert cached(answer) == prompt.expected_cached_tokens + 2 * BLOCK_SIZE
+    # (two per document, or the whole span when shorter; hashed over everything before
+    # them) hit as well.
+    spans = prompt.span_prefills[1:]  # after the header
+    links = sum(min(2 * BLOCK_SIZE, len(span)) for span in spans)
+    assert links == 4 * BLOCK_SIZE
+    assert cached(answer) == prompt.expected_cached_tokens + links
 
 
 def test_block_attention_per_request_and_no_system_message(client, tokenizer):
@@ -198,7 +203,7 @@ def test_settings_route_publishes_block_size_and_markers(server):
         settings = json.load(response)
     assert settings["block_size"] == BLOCK_SIZE
     assert settings["span_protocol"] == PROTOCOL.to_dict()
-    assert settings["recipe"] == "epic"
+    assert settings["recipe"] == "epic2"  # the server's default
     assert settings["max_model_len"] == MAX_MODEL_LEN
 
 
@@ -217,8 +222,9 @@ def test_completions_take_documents_in_vllm_xargs(client, tokenizer):
     ids = tokenizer.encode(prompt)  # as vLLM tokenizes a completion prompt
     lead = ids[:1] if ids[:1] == [tokenizer.bos_token_id] else []
     header = lead + tokenizer.encode(system, add_special_tokens=False)
-    expected = epic([tokenizer.encode(t, add_special_tokens=False) for t in texts[::-1]],
-                    ids[len(lead):], system=header, protocol=PROTOCOL, block_size=BLOCK_SIZE)
+    epic2 = RECIPES_BY_NAME["epic2"]  # the server's default
+    expected = epic2([tokenizer.encode(t, add_special_tokens=False) for t in texts[::-1]],
+                     ids[len(lead):], system=header, protocol=PROTOCOL, block_size=BLOCK_SIZE)
     assert responses[1].choices[0].prompt_token_ids == expected.final
     assert cached(responses[1]) == expected.expected_cached_tokens > 2 * BLOCK_SIZE
 

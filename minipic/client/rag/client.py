@@ -9,7 +9,9 @@
 Documents are given as text (cut into spans exactly as `minipic-preload`
 cuts them, so preloaded text hits) or as `DocRef`s to a preload manifest
 (its stored token ids, no re-tokenizing). The final prompt is, with the default
-recipe "epic" (right answers from models not fine-tuned for block attention),
+recipe "epic" (right answers from models not fine-tuned for block attention; the
+first `recompute_blocks`=2 blocks of each document recomputed in context, as one was
+not enough on a small model, docs/accuracy.md),
 [BOS system pad][SSep span pad]...[link span head]...[PDep question], and with
 recipe="block_attention" (models fine-tuned for it) the same without the links.
 Both reuse the same preloaded spans. `ask` first prefills the
@@ -54,7 +56,7 @@ class RagClient:
                  span_tokens: int | None = None, tokenizer: Any = None,
                  protocol: SpanProtocol | None = None, max_tokens: int = 64,
                  temperature: float = 0.0, max_in_flight: int = 16, recipe: str = "epic",
-                 recompute_blocks: int = 1):
+                 recompute_blocks: int = 2):
         if recipe not in RECIPES:
             raise SpanPromptError(f"recipe must be one of {RECIPES}, got {recipe!r}")
         self.recipe = recipe
