@@ -83,3 +83,22 @@ def test_epic_markers_and_padding_hidden_and_taking_no_room(llm, reference):
                                         own_span=False)
     for other in (taking_room, hidden_in_span):
         assert max(abs(a - b) for a, b in zip(logprobs, other)) > 10 * LOGPROB_ATOL
+
+
+def test_spans_computed_inside_a_final_prompt_serve_later_prompts(llm, reference):
+    """Spans that miss are computed inside the final prompt (the span path, not the stock
+    attention a span prefilled alone gets): the answer is the reference's, and the KV they
+    leave under their span hashes serves the documents reordered, as spans prefilled alone
+    do."""
+    protocol = SpanProtocol.from_tokenizer(llm.get_tokenizer())
+    docs = [words(45, 61), words(30, 62)]  # in no other test: they miss
+    for order, task_seed in ((docs, 63), (docs[::-1], 64)):
+        prompt = build(protocol, docs=order, task=words(9, task_seed))
+        [out] = generate(llm, [prompt.vllm_final()])  # no span prefills
+        spans, _ = split_final(prompt, protocol)
+        allowed = block_mask([len(s) for s in spans], len(prompt.final))
+        tokens, logprobs = quiet_reference(reference, prompt, protocol, allowed,
+                                           torch.arange(len(prompt.final)))
+        assert_same_output(out, tokens, logprobs)
+    # The second order hit the header and both spans the first one computed.
+    assert out.num_cached_tokens == prompt.expected_cached_tokens
