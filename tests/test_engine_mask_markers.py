@@ -1,6 +1,6 @@
 """minipic's mask_markers option on a real engine: marker and padding keys hidden from
-everything outside their span, and taking no room (every token stands as many positions earlier as there are such tokens
-before it), for Block-Attention and EPIC prompts."""
+everything outside their span, and taking no room (every token stands as many positions
+earlier as there are such tokens before it), for Block-Attention and EPIC prompts."""
 
 from __future__ import annotations
 
