@@ -17,7 +17,10 @@ outside their own span and take no room in positions; see docs/accuracy.md for
 what it does to answers), `recipe` (the
 span prompt the API server builds from a chat request's `documents`: "epic2",
 the default (two recomputed blocks per document), "epic" (one) or
-"block_attention"; see minipic/serving/chat_documents.py). Any other
+"block_attention"; see minipic/serving/chat_documents.py), `span_attention` (CUDA,
+fp16/bf16 models: "flash", the default, attends span batches with vLLM's own
+FlashAttention, one call per frame merged by log-sum-exp; "triton" with minipic's
+span kernel, which mask_markers batches always take). Any other
 key in the `additional_config` section is refused at start-up (a typo would
 otherwise silently leave a default in force).
 """
@@ -42,7 +45,7 @@ def connector_config(options: Mapping[str, Any] | None = None) -> dict[str, Any]
 # Every key minipic reads from its additional_config section, in one place: the
 # span protocol's fields (so a marker added there is allowed here) and the switch.
 ENGINE_OPTION_KEYS = frozenset(
-    {"enabled", "mask_markers", "recipe",
+    {"enabled", "mask_markers", "recipe", "span_attention",
      *(field.name for field in dataclasses.fields(SpanProtocol))})
 
 # Span prompts the API server can build from chat `documents` (option `recipe`), the names
@@ -111,6 +114,18 @@ def mask_markers(vllm_config: Any) -> bool:
     value = (minipic_options(vllm_config) or {}).get("mask_markers", False)
     if not isinstance(value, bool):
         raise ValueError(f"{CONFIG_KEY}.mask_markers must be true or false, got {value!r}")
+    return value
+
+
+SPAN_ATTENTION = ("flash", "triton")
+
+
+def span_attention(vllm_config: Any) -> str:
+    """How CUDA attends span batches (option `span_attention`, see the module docstring)."""
+    value = (minipic_options(vllm_config) or {}).get("span_attention", "flash")
+    if value not in SPAN_ATTENTION:
+        raise ValueError(f"{CONFIG_KEY}.span_attention must be one of "
+                         f"{', '.join(map(repr, SPAN_ATTENTION))}, got {value!r}")
     return value
 
 

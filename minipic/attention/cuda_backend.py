@@ -4,11 +4,16 @@ Keys are stored in their frames (span_layout.SpanLayout.frame_offset), so a batc
 whose layout is plain (no span markers, or only a span at the prompt's start) is stock
 vLLM's: its KV cache write and its attention are the stock backend's own, nothing
 added (eager; compiled, see below). Any other batch turns its new keys
-back into their frames before the cache write (attention.links) and runs minipic's
-Triton kernel (`triton_kernel.unified_attention_rope`) over the same paged cache: it
-turns keys forward by their frame offsets per tile and applies the span and EPIC
-link rules (with mask_markers it also hides marker and padding keys). Two stock
-bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
+back into their frames before the cache write (attention.links), then attends the
+same paged cache in one of two ways:
+  * on FlashAttention (the default): one causal and one non-causal varlen call, each
+    query turned back into the frame of the keys a row reads, merged by log-sum-exp
+    (segment_plan.py, segment_attention.py);
+  * minipic's Triton kernel (`triton_kernel.unified_attention_rope`), which turns keys
+    forward by their frame offsets per tile and applies the span and EPIC link rules:
+    for batches with mask_markers (it hides single marker and padding keys), for fp32
+    models, and with the option span_attention="triton".
+Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
     models: what stock vLLM picks there;
   * vLLM's Triton backend otherwise (fp32 models, older GPUs).
@@ -47,6 +52,8 @@ from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAtte
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
+from minipic.attention.segment_attention import prepare, segment_attention
+from minipic.attention.segment_plan import segment_plan
 from minipic.attention.span_layout import current_layout, key_turn_backs, token_shifts
 from minipic.attention.triton_kernel import (
     MIN_GRID_2D,
@@ -66,8 +73,10 @@ class SpanBatchBuilder:
     """Mixed in before a vLLM metadata builder: its metadata plus, for batches with
     markers, what the span kernel needs (span_layout.py).
 
-    Sets on the metadata: `minipic_tables` (the per block tables of this batch's
-    SpanLayout, on the device) or None for a batch without markers,
+    Sets on the metadata: `minipic_rows` (segment_attention.SegmentBatch, on the device)
+    for span batches attended by FlashAttention rows, else None;
+    `minipic_tables` (the per block tables of this batch's SpanLayout, on the device)
+    for span batches attended by the kernel, else None;
     `minipic_quiet_bits` (mask_markers: triton_kernel.quiet_words, else None),
     `minipic_token_shift` (the Q turn-backs of link tokens, a rotation.Rotation, None
     without links), `minipic_key_turn` (the K turn-backs before the cache write, None
@@ -75,6 +84,8 @@ class SpanBatchBuilder:
     (`minipic_segments`, `minipic_seq_threshold_3d`)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Whether the base backend can attend span batches as FlashAttention rows.
+    has_flash_rows: ClassVar[bool] = False
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -86,6 +97,9 @@ class SpanBatchBuilder:
         self.seq_threshold_3d = MIN_GRID_2D // self.num_heads_kv
         self.segments = segment_buffers(max(SPLIT_KV_MAX_TOKENS, self.seq_threshold_3d),
                                         self.num_heads_q, self.headdim, device)
+        from minipic.config import span_attention
+
+        self.use_flash_rows = self.has_flash_rows and span_attention(vllm_config) == "flash"
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -93,15 +107,15 @@ class SpanBatchBuilder:
         layout = current_layout(m.num_reqs, self.block_size, m.max_seq_len)
         has_spans = layout is not None and not layout.is_plain()
         metadata.minipic_tables = metadata.minipic_quiet_bits = None
+        metadata.minipic_rows = None
         metadata.minipic_token_shift = metadata.minipic_key_turn = None
         if has_spans:
             query_start_loc, seq_lens = _host_extents(m)
-            # Per block tables to the device; per token ones stay (mask_markers: bits).
-            metadata.minipic_tables = dataclasses.replace(
-                layout, quiet=None, logical=None).to(self.device)
-            if layout.quiet is not None:
-                metadata.minipic_quiet_bits = quiet_words(
-                    layout.quiet, max(seq_lens)).to(self.device, non_blocking=True)
+            if self.use_flash_rows and layout.quiet is None:
+                metadata.minipic_rows = self._rows(layout, query_start_loc, seq_lens,
+                                                   m.block_table_tensor)
+            else:
+                self._kernel_tables(metadata, layout, seq_lens)
             metadata.minipic_token_shift = token_turns(token_shifts(
                 layout, query_start_loc, seq_lens, self.block_size), self.device)
             metadata.minipic_key_turn = token_turns(key_turn_backs(
@@ -110,6 +124,25 @@ class SpanBatchBuilder:
         metadata.minipic_segments = self.segments
         metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
         return metadata
+
+    def _rows(self, layout, query_start_loc: list[int], seq_lens: list[int],
+              block_table: torch.Tensor):
+        """The batch's FlashAttention rows, planned on the host (one copy of the tables)
+        and made ready on the device for every layer."""
+        plan = segment_plan(layout.to("cpu"), query_start_loc, seq_lens,
+                            self.block_size).to(self.device)
+        rope = current_rope()
+        return prepare(plan, block_table, rope.cos_sin(self.device), rope.rotary_dim,
+                       rope.is_neox_style)
+
+    def _kernel_tables(self, metadata, layout, seq_lens: list[int]) -> None:
+        """Per block tables to the device for the span kernel; per token ones stay
+        (mask_markers: as bits)."""
+        metadata.minipic_tables = dataclasses.replace(
+            layout, quiet=None, logical=None).to(self.device)
+        if layout.quiet is not None:
+            metadata.minipic_quiet_bits = quiet_words(
+                layout.quiet, max(seq_lens)).to(self.device, non_blocking=True)
 
 
 class SpanBatchImpl:
@@ -144,7 +177,8 @@ class SpanBatchImpl:
         if output_scale is not None or output_block_scale is not None:
             raise UnsupportedAttentionError("minipic's attention has no fused output quantization")
         md = attn_metadata
-        if md is None or getattr(md, "minipic_tables", None) is None:
+        rows = None if md is None else getattr(md, "minipic_rows", None)
+        if rows is None and (md is None or getattr(md, "minipic_tables", None) is None):
             # Profiling run, or a batch without markers: the stock backend.
             return super().forward(layer, query, key, value, kv_cache, md, output)
         if md.causal is not True or getattr(md, "mm_prefix_range_tensor", None) is not None:
@@ -155,6 +189,10 @@ class SpanBatchImpl:
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rope = current_rope()
         query = turn_back_tokens(query, md.minipic_token_shift)
+        if rows is not None:
+            segment_attention(query[:n], key_cache, value_cache, output[:n], rows,
+                              self.run_flash_rows)
+            return output
         segm_output, segm_max, segm_expsum = md.minipic_segments
         unified_attention_rope(
             query[:n], key_cache, value_cache, output[:n],
@@ -215,11 +253,22 @@ class SpanBackend(PositionFreeTraits):
 
 
 class MiniPICFlashMetadataBuilder(SpanBatchBuilder, FlashAttentionMetadataBuilder):
-    pass
+    has_flash_rows = True
 
 
 class MiniPICFlashImpl(SpanBatchImpl, FlashAttentionImpl):
-    pass
+    def run_flash_rows(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       rows, block_table: torch.Tensor, causal: bool,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One segment_plan.FlashRows call of vLLM's own FlashAttention (FA3 on Hopper)."""
+        from vllm.v1.attention.backends.flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(
+            q=q, k=key_cache, v=value_cache, cu_seqlens_q=rows.cu_seqlens_q,
+            max_seqlen_q=rows.max_seqlen_q, seqused_k=rows.seqused_k,
+            max_seqlen_k=rows.max_seqlen_k, softmax_scale=self.scale, causal=causal,
+            block_table=block_table, return_softmax_lse=True,
+            fa_version=self.vllm_flash_attn_version, out=out)
 
 
 class MiniPICFlashBackend(SpanBackend, FlashAttentionBackend):

@@ -165,6 +165,23 @@ def marker_layout(markers: list[str], min_blocks: int, block_size: int,
     return span_layout(torch.tensor(firsts), MARKERS, block_size).to(device)
 
 
+def random_segments(seq_len: int, block_size: int, rng) -> str:
+    """A request's blocks as header / SSep spans / PDep blocks (make_case's markers)."""
+    kinds = ["-"]
+    for _ in range(1, -(-seq_len // block_size)):
+        roll = rng.random()
+        kinds.append("S" if roll < 0.3 else "P" if roll < 0.4 else "-")
+    return "".join(kinds)
+
+
+def epic_markers(num_docs: int, doc_blocks: int, link_blocks: int, task_blocks: int) -> str:
+    """An EPIC prompt's blocks: header, the documents as SSep spans, one link per document
+    carrying its first `link_blocks` blocks, then the PDep task."""
+    doc = "S" + "-" * (doc_blocks - 1)
+    link = "L" + "-" * (link_blocks - 1)
+    return "-" + doc * num_docs + link * num_docs + "P" + "-" * (task_blocks - 1)
+
+
 def reference_attention(case: PagedCase) -> torch.Tensor:
     """Rotate each request's keys by position, then causal attention (or the span and link
     rule of span_layout.visible_keys), in fp32/fp64 torch."""

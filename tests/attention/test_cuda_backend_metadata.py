@@ -53,17 +53,30 @@ def same_turns(rotation, amounts: list[int]) -> bool:
     return torch.equal(rotation.cos, expected.cos) and torch.equal(rotation.sin, expected.sin)
 
 
-@pytest.fixture(params=["flash", "triton"])
-def builder(monkeypatch, request):
-    """Each builder past vLLM's own part: build() on a stub metadata."""
+def new_builder(monkeypatch, kind: str):
+    """A builder past vLLM's own part: build() on a stub metadata. `kind`: "flash" (span
+    batches as FlashAttention rows), "flash_kernel" (FlashAttention with the option
+    span_attention="triton") or "triton"."""
     stock, ours = {"flash": (FlashAttentionMetadataBuilder, fb.MiniPICFlashMetadataBuilder),
+                   "flash_kernel": (FlashAttentionMetadataBuilder, fb.MiniPICFlashMetadataBuilder),
                    "triton": (TritonAttentionMetadataBuilder, fb.MiniPICTritonMetadataBuilder)
-                   }[request.param]
+                   }[kind]
     monkeypatch.setattr(stock, "build", lambda self, *args, **kwargs: SimpleNamespace())
     built = object.__new__(ours)
     built.block_size, built.device = BLOCK, torch.device("cpu")
     built.segments, built.seq_threshold_3d = ("scratch",), 8
+    built.use_flash_rows = kind == "flash"
     return built
+
+
+@pytest.fixture(params=["flash", "flash_kernel", "triton"])
+def builder(monkeypatch, request):
+    return new_builder(monkeypatch, request.param)
+
+
+@pytest.fixture(params=["flash_kernel", "triton"])
+def kernel_builder(monkeypatch, request):
+    return new_builder(monkeypatch, request.param)
 
 
 def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_lens: list[int]):
@@ -75,6 +88,9 @@ def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_l
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     common = SimpleNamespace(num_reqs=len(seq_lens), query_start_loc=starts,
                              query_start_loc_cpu=starts,
+                             block_table_tensor=torch.arange(len(seq_lens) * MAX_BLOCKS,
+                                                             dtype=torch.int32
+                                                             ).view(len(seq_lens), MAX_BLOCKS),
                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                              max_seq_len=max(seq_lens))
     return builder.build(0, common)
@@ -82,13 +98,14 @@ def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_l
 
 def test_plain_batches_are_left_to_the_stock_backend(builder, monkeypatch):
     md = build(builder, monkeypatch, ["", ""], [5, 1], [40, 17])
-    assert md.minipic_tables is None
+    assert md.minipic_tables is None and md.minipic_rows is None
     assert md.minipic_token_shift is None and md.minipic_key_turn is None
 
 
-def test_a_link_batch_gets_its_tables_shifts_and_key_turns(builder, monkeypatch):
+def test_a_link_batch_gets_its_tables_shifts_and_key_turns(kernel_builder, monkeypatch):
     markers = ["-S-S-LLP", "-SLP"]
-    md = build(builder, monkeypatch, markers, [42, 3], [122, 43])
+    md = build(kernel_builder, monkeypatch, markers, [42, 3], [122, 43])
+    assert md.minipic_rows is None
     layout = marker_layout(markers, MAX_BLOCKS, BLOCK)
     assert torch.equal(md.minipic_tables.span_of, layout.span_of)
     assert torch.equal(md.minipic_tables.context_pos, layout.context_pos)
@@ -106,6 +123,52 @@ def test_a_link_batch_gets_its_tables_shifts_and_key_turns(builder, monkeypatch)
     assert same_turns(md.minipic_key_turn,
                       [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [2 * BLOCK] * 10 + [BLOCK] * 3)
     assert md.minipic_segments == ("scratch",) and md.minipic_seq_threshold_3d == 8
+
+
+def test_flash_attention_gets_a_link_batch_as_rows(monkeypatch):
+    """The default on FlashAttention: the batch's segment plan (no kernel tables), and the
+    same Q shifts and K turns as the kernel path."""
+    from minipic.attention.segment_plan import segment_plan
+
+    markers = ["-S-S-LLP", "-SLP"]
+    md = build(new_builder(monkeypatch, "flash"), monkeypatch, markers, [42, 3], [122, 43])
+    assert md.minipic_tables is None
+    expected = segment_plan(marker_layout(markers, MAX_BLOCKS, BLOCK), [0, 42, 45], [122, 43],
+                            BLOCK)
+    plan = md.minipic_rows.plan
+    for got, want in ((plan.own, expected.own), (plan.earlier, expected.earlier)):
+        assert torch.equal(got.row_blocks, want.row_blocks)
+        assert torch.equal(got.query_turn, want.query_turn)
+    # the rows' physical blocks: request r's logical block b is r * MAX_BLOCKS + b here
+    own = plan.own
+    assert torch.equal(md.minipic_rows.own_table,
+                       (own.row_request[:, None] * MAX_BLOCKS + own.row_blocks).int())
+    assert same_turns(md.minipic_token_shift,
+                      [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [0] * 10 + [BLOCK] * 3)
+    assert same_turns(md.minipic_key_turn,
+                      [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [2 * BLOCK] * 10 + [BLOCK] * 3)
+
+
+def test_mask_markers_batches_take_the_kernel_on_flash_attention(monkeypatch):
+    """Quiet keys are single keys: FlashAttention rows cannot hide them, the kernel does."""
+    from minipic.attention.span_layout import take_no_room
+
+    def quiet_layout(num_reqs, block_size, max_seq_len):
+        layout = marker_layout(["-S-P"], MAX_BLOCKS, BLOCK)
+        quiet = torch.zeros(1, MAX_BLOCKS * BLOCK, dtype=torch.bool)
+        quiet[0, [BLOCK, 3 * BLOCK]] = True
+        take_no_room(layout, quiet, BLOCK)
+        return layout
+
+    monkeypatch.setattr(fb, "current_layout", quiet_layout)
+    builder = new_builder(monkeypatch, "flash")
+    starts = torch.tensor([0, 20], dtype=torch.int32)
+    common = SimpleNamespace(num_reqs=1, query_start_loc=starts, query_start_loc_cpu=starts,
+                             block_table_tensor=torch.zeros(1, MAX_BLOCKS, dtype=torch.int32),
+                             seq_lens=torch.tensor([64], dtype=torch.int32), max_seq_len=64)
+    md = builder.build(0, common)
+    assert md.minipic_rows is None and md.minipic_tables is not None
+    assert md.minipic_quiet_bits is not None
 
 
 def test_spans_without_links_turn_span_keys_only(builder, monkeypatch):

@@ -1,4 +1,5 @@
-"""End to end on the GPU: a Llama-3-8B-shaped model gives the same logprobs with minipic on and off.
+"""End to end on the GPU: a Llama-3-8B-shaped model gives the same logprobs with minipic on and off,
+and span prompts the same answers on FlashAttention rows as on minipic's Triton kernel.
 
 No markers in the prompts, so minipic must be invisible: its backend hands such
 batches to FlashAttention as stock vLLM does (keys stored at their positions),
@@ -7,6 +8,11 @@ when the second round hits the prefix cache. Weights are random
 (no hub): vLLM's dummy loader, then a seeded normal(0, 0.02) re-init so the
 attention pattern and the logits are far from uniform (the dummy values alone,
 norms included, are +-1e-3 and flatten everything).
+
+With minipic on, each run also sends span prompts (Block-Attention and EPIC, their
+spans prefilled first so the final prompts hit them): the default attends those
+batches as FlashAttention rows merged by log-sum-exp, `on_spans_triton` with minipic's
+span kernel; the two must agree as closely as two stock backends do.
 
 Each configuration runs in its own child process with the plugin discoverable
 through a temporary entry point (as `pip install` would make it) and vLLM's
@@ -45,7 +51,28 @@ RUNS = {
     # torch.compile + piecewise CUDA graphs (minipic declares no full-graph support)
     "on_compiled": dict(additional_config=MINIPIC,
                         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}),
+    # span batches on minipic's Triton kernel instead of FlashAttention rows
+    "on_spans_triton": dict(enforce_eager=True,
+                            additional_config={"minipic": {**MARKERS, "span_attention": "triton"}}),
 }
+BLOCK_SIZE = 16  # vLLM's default on CUDA
+
+
+def _span_prompts() -> list:
+    """Block-Attention and EPIC prompts over random documents (token ids)."""
+    from minipic.client.prompts.recipes import RECIPES_BY_NAME
+    from minipic.protocol import SpanProtocol
+
+    gen = torch.Generator().manual_seed(1)
+
+    def tokens(n):
+        return torch.randint(0, 128000, (n,), generator=gen).tolist()
+
+    protocol = SpanProtocol(**MARKERS)
+    docs = [tokens(n) for n in (300, 170, 450, 90)]
+    return [RECIPES_BY_NAME[name](docs[i:] + docs[:i], tokens(40), protocol=protocol,
+                                  block_size=BLOCK_SIZE, system=tokens(20))
+            for i, name in enumerate(("block_attention", "epic", "epic2"))]
 
 
 def _prompts() -> list[list[int]]:
@@ -77,6 +104,7 @@ def _child(run: str, model_dir: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              block_size=BLOCK_SIZE,
               max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=8,
               gpu_memory_utilization=0.8, seed=0, **RUNS[run])
     impl = llm.apply_model(_reinit_weights)[0]
@@ -94,7 +122,34 @@ def _child(run: str, model_dir: str, out_path: str) -> None:
             "lp": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
             "cached_tokens": o.num_cached_tokens,
         } for o in outs]
+    if "additional_config" in RUNS[run]:
+        result["spans"] = _span_answers(llm, first, again)
     Path(out_path).write_text(json.dumps(result))
+
+
+def _span_answers(llm, with_prompt_logprobs, without) -> dict:
+    """Span prompts: spans prefilled alone, then the final prompts as hits ("cached"), and
+    once more with prompt logprobs ("first"), which vLLM computes without its prefix
+    cache: the spans are then computed inside the final prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = _span_prompts()
+    prefill = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    spans = [TokensPrompt(prompt_token_ids=s) for p in prompts for s in p.span_prefills]
+    llm.generate(spans, prefill, use_tqdm=False)
+    finals = [TokensPrompt(prompt_token_ids=p.final) for p in prompts]
+    answers = {}
+    for label, params in (("cached", without), ("first", with_prompt_logprobs)):
+        outs = llm.generate(finals, params, use_tqdm=False)
+        answers[label] = [{
+            "prompt_lp": [None if lp is None else lp[tok].logprob
+                          for tok, lp in zip(o.prompt_token_ids, o.prompt_logprobs or [])],
+            "tokens": list(o.outputs[0].token_ids),
+            "lp": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+            "cached_tokens": o.num_cached_tokens, "expected_cached": p.expected_cached_tokens,
+        } for o, p in zip(outs, prompts)]
+    return answers
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +190,11 @@ def _summary(results: dict) -> dict:
                  ("off_eager", "on_compiled")):
         if a in results and b in results:
             summary[f"{b}_vs_{a}"] = _compare(results[a], results[b])
+    kernel = results.get("on_spans_triton", {}).get("spans")
+    for run in ("on_eager", "on_compiled"):
+        flash = results.get(run, {}).get("spans")
+        if kernel and flash:
+            summary[f"spans_{run}_vs_on_spans_triton"] = _compare(kernel, flash)
     return summary
 
 
@@ -205,3 +265,18 @@ def test_logprobs_match_minipic_off(runs, run):
 
 if __name__ == "__main__":
     _child(*sys.argv[1:])
+
+
+@pytest.mark.parametrize("run", ["on_eager", "on_compiled"])
+def test_span_prompts_on_flash_rows_match_the_span_kernel(runs, run):
+    """FlashAttention rows (the default) against minipic's Triton span kernel on the same
+    span prompts, every final prompt hitting its spans: no further apart than two stock
+    backends on plain prompts."""
+    _need(runs, run, "on_spans_triton", "off_eager", "off_triton")
+    noise = _compare(runs["off_eager"], runs["off_triton"])
+    flash, kernel = runs[run]["spans"], runs["on_spans_triton"]["spans"]
+    for answers in (flash["cached"], kernel["cached"]):
+        assert [a["cached_tokens"] for a in answers] == [a["expected_cached"] for a in answers]
+    s = _compare(kernel, flash)
+    assert s["prompt_lp_mean_abs_diff"] < 2 * noise["prompt_lp_mean_abs_diff"] + 0.01, (s, noise)
+    assert s["prompt_lp_p99_abs_diff"] < 2 * noise["prompt_lp_p99_abs_diff"] + 0.05, (s, noise)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from minipic.attention import triton_kernel as tk
-from minipic.devtools.paged_attention_case import make_case, reference_attention, relative_error
+from minipic.devtools.paged_attention_case import (epic_markers, make_case, random_segments,
+                                                   reference_attention, relative_error)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -193,15 +194,6 @@ def test_cuda_graph_replay_follows_new_lengths():
         assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
 
 
-def random_segments(seq_len: int, block_size: int, rng) -> str:
-    """A request's blocks as header / SSep spans / PDep blocks (make_case's markers)."""
-    kinds = ["-"]
-    for _ in range(1, -(-seq_len // block_size)):
-        roll = rng.random()
-        kinds.append("S" if roll < 0.3 else "P" if roll < 0.4 else "-")
-    return "".join(kinds)
-
-
 @pytest.mark.parametrize("batch", ["mixed_long", "mixed_short", "decode_split", "decode_many"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_span_segments(batch, dtype):
@@ -215,14 +207,6 @@ def test_span_segments(batch, dtype):
     for config in (None, tk.PREFILL, tk.DECODE_2D):
         err = relative_error(run_minipic(case, config), reference_attention(case))
         assert err < TOLERANCE[dtype], f"{config}: relative error {err:.2e}"
-
-
-def epic_markers(num_docs: int, doc_blocks: int, link_blocks: int, task_blocks: int) -> str:
-    """An EPIC prompt's blocks: header, the documents as SSep spans, one link per document
-    carrying its first `link_blocks` blocks, then the PDep task."""
-    doc = "S" + "-" * (doc_blocks - 1)
-    link = "L" + "-" * (link_blocks - 1)
-    return "-" + doc * num_docs + link * num_docs + "P" + "-" * (task_blocks - 1)
 
 
 # (query_lens, context_lens, markers): the EPIC hit (spans cached, links and task computed),

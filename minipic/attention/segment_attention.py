@@ -1,0 +1,140 @@
+"""Worker side: attention of a span batch as stock FlashAttention calls (segment_plan.py).
+
+Each call attends its rows' queries, turned back into the frame of the keys they
+read, over the paged cache as it is; the calls' outputs are merged per query token by
+their log-sum-exp. `flash` is vLLM's `flash_attn_varlen_func` on CUDA
+(cuda_backend.py); tests pass `paged_flash_reference` to check the plan on CPU. On
+CUDA the turns and the merge are one Triton launch each (segment_kernels.py); on
+other devices (tests) they run in torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from minipic.attention.rotation import Rotation
+from minipic.attention.segment_plan import FlashRows, SegmentPlan
+
+# flash(q, k_cache, v_cache, rows: FlashRows, block_table, causal=..., out=None) -> (out,
+# lse), lse [heads, tokens]; writes `out` when given; the softmax scale bound by the caller.
+Flash = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclasses.dataclass
+class SegmentBatch:
+    """A plan made ready on the device once per batch, for every layer: the rows' physical
+    block tables, and one rotation for all turned row queries (the own rows' first when
+    any own turn is not 0, then the earlier rows')."""
+
+    plan: SegmentPlan
+    own_table: torch.Tensor
+    earlier_table: torch.Tensor | None
+    turn_index: torch.Tensor | None  # which query token each turned row query is
+    turn: Rotation | None
+    own_turned: bool
+    rotary_dim: int
+    is_neox_style: bool
+
+
+def prepare(plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Tensor,
+            rotary_dim: int, is_neox_style: bool) -> SegmentBatch:
+    """`plan` (on the device) with its tables and turns looked up."""
+    own, earlier = plan.own, plan.earlier
+    own_turned = bool(own.query_turn.any())
+    parts = ([own] if own_turned else []) + ([earlier] if earlier is not None else [])
+    turn_index = turn = None
+    if parts:
+        turn_index = torch.cat([rows.query_index for rows in parts])
+        turn = Rotation.back(torch.cat([rows.query_turn for rows in parts]), cos_sin,
+                             rotary_dim, is_neox_style)
+    return SegmentBatch(plan, _row_table(block_table, own),
+                        None if earlier is None else _row_table(block_table, earlier),
+                        turn_index, turn, own_turned, rotary_dim, is_neox_style)
+
+
+def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      output: torch.Tensor, batch: SegmentBatch, flash: Flash) -> torch.Tensor:
+    """`output` [n, heads, head_size] = attention of the batch's n query tokens `query`."""
+    plan, n = batch.plan, query.shape[0]
+    turned = None if batch.turn is None else _turned(query, batch)
+    own_q = turned[:n] if batch.own_turned else query
+    if plan.earlier is None:  # the own rows are the whole answer
+        flash(own_q, key_cache, value_cache, plan.own, batch.own_table, causal=True, out=output)
+        return output
+    own_out, own_lse = flash(own_q, key_cache, value_cache, plan.own, batch.own_table,
+                             causal=True)
+    earlier_q = turned[n:] if batch.own_turned else turned
+    earlier_out, earlier_lse = flash(earlier_q, key_cache, value_cache, plan.earlier,
+                                     batch.earlier_table, causal=False)
+    if output.is_cuda:
+        from minipic.attention.segment_kernels import merge_rows
+
+        return merge_rows(output, own_out, own_lse, earlier_out, earlier_lse,
+                          plan.merge_starts, plan.merge_entries)
+    return merge(output, own_out, own_lse, earlier_out, earlier_lse, plan.earlier.query_index)
+
+
+def _turned(query: torch.Tensor, batch: SegmentBatch) -> torch.Tensor:
+    if query.is_cuda:
+        from minipic.attention.segment_kernels import turn_rows
+
+        return turn_rows(query, batch.turn_index, batch.turn.cos, batch.turn.sin,
+                         batch.rotary_dim, batch.is_neox_style)
+    return batch.turn.apply(query.index_select(0, batch.turn_index)).to(query.dtype)
+
+
+def merge(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
+          earlier_out: torch.Tensor, earlier_lse: torch.Tensor,
+          token: torch.Tensor) -> torch.Tensor:
+    """output [n, heads, d] = the softmax-weighted merge of each token's own row and its
+    earlier rows (`token` [m]: the query token of each earlier row token), in fp32
+    torch (what segment_kernels.merge_rows computes in one launch)."""
+    heads = own_lse.shape[0]
+    peak = own_lse.float().clone()
+    peak.scatter_reduce_(1, token[None].expand(heads, -1), earlier_lse.float(), "amax")
+    own_weight = torch.exp(own_lse.float() - peak)  # [heads, n]
+    earlier_weight = torch.exp(earlier_lse.float() - peak[:, token])  # [heads, m]
+    total = own_out.float() * own_weight.t()[..., None]
+    total.index_add_(0, token, earlier_out.float() * earlier_weight.t()[..., None])
+    norm = own_weight.index_add(1, token, earlier_weight)
+    output.copy_(total / norm.t()[..., None])
+    return output
+
+
+def _row_table(block_table: torch.Tensor, rows: FlashRows) -> torch.Tensor:
+    """[rows, width] physical blocks of each row (its request's, in the row's order)."""
+    return block_table[rows.row_request[:, None], rows.row_blocks].to(torch.int32)
+
+
+def paged_flash_reference(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          rows: FlashRows, block_table: torch.Tensor, causal: bool,
+                          scale: float, out: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `flash_attn_varlen_func(..., return_softmax_lse=True)` computes, in fp32 torch:
+    caches [blocks, block_size, kv_heads, d]; causal aligned to the bottom right."""
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    heads = q.shape[1]
+    result = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.zeros(heads, q.shape[0], dtype=torch.float32, device=q.device)
+    cu = rows.cu_seqlens_q.tolist()
+    for row, key_len in enumerate(rows.seqused_k.tolist()):
+        blocks = block_table[row, : -(-key_len // block_size)].long()
+        k = key_cache[blocks].flatten(0, 1)[:key_len].float().repeat_interleave(
+            heads // kv_heads, 1)
+        v = value_cache[blocks].flatten(0, 1)[:key_len].float().repeat_interleave(
+            heads // kv_heads, 1)
+        qs = q[cu[row]: cu[row + 1]].float()
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if causal:
+            shown = torch.arange(key_len)[None, :] <= torch.arange(
+                key_len - qs.shape[0], key_len)[:, None]
+            scores = scores.masked_fill(~shown.to(q.device), float("-inf"))
+        lse[:, cu[row]: cu[row + 1]] = scores.logsumexp(-1)
+        result[cu[row]: cu[row + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if out is not None:
+        out.copy_(result)
+        return out, lse
+    return result.to(q.dtype), lse

@@ -1,0 +1,100 @@
+"""The turn and merge kernels around FlashAttention rows (segment_kernels.py) under the Triton
+interpreter (CPU CI), against their torch versions on an EPIC batch's plan.
+
+As in test_triton_kernel_interpreter.py, the kernels run in a child process that sets
+TRITON_INTERPRET=1 before triton is imported; it prints one JSON line of errors.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# (make_case kwargs): neox fp32, GPT-J with partial rotary fp16
+CASES = {
+    "neox_fp32": dict(num_q_heads=4, num_kv_heads=2, head_size=32, dtype="float32"),
+    "gptj_partial_fp16": dict(num_q_heads=4, num_kv_heads=1, head_size=64, rotary_dim=32,
+                              is_neox=False, dtype="float16"),
+}
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+
+
+def _errors(name: str) -> dict[str, float]:
+    import torch
+
+    from minipic.attention.segment_attention import (merge, paged_flash_reference, prepare,
+                                                     segment_attention)
+    from minipic.attention.segment_kernels import merge_rows, turn_rows
+    from minipic.attention.segment_plan import segment_plan
+    from minipic.devtools.paged_attention_case import (epic_markers, make_case,
+                                                       reference_attention, relative_error)
+
+    kwargs = dict(CASES[name])
+    kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    case = make_case([16 * 3 + 5, 1], [16 + 3 * 48, 16 + 2 * 32 + 32 + 20],
+                     markers=[epic_markers(3, 3, 1, 2), epic_markers(2, 2, 1, 3)], **kwargs)
+    plan = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
+    batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    q = case.q
+    by_kernel = turn_rows(q, batch.turn_index, batch.turn.cos, batch.turn.sin,
+                          case.rotary_dim, case.is_neox)
+    by_torch = batch.turn.apply(q.index_select(0, batch.turn_index)).to(q.dtype)
+
+    flash = functools.partial(paged_flash_reference, scale=case.scale)
+    n = q.shape[0]
+    own_q = by_torch[:n] if batch.own_turned else q
+    own_out, own_lse = flash(own_q, case.k_cache, case.v_cache, plan.own, batch.own_table,
+                             causal=True)
+    earlier_q = by_torch[n:] if batch.own_turned else by_torch
+    earlier_out, earlier_lse = flash(earlier_q, case.k_cache, case.v_cache, plan.earlier,
+                                     batch.earlier_table, causal=False)
+    merged_kernel = merge_rows(torch.empty_like(q), own_out, own_lse, earlier_out, earlier_lse,
+                               plan.merge_starts, plan.merge_entries)
+    merged_torch = merge(torch.empty_like(q), own_out, own_lse, earlier_out, earlier_lse,
+                         plan.earlier.query_index)
+    whole = torch.empty_like(q)
+    segment_attention(q, case.k_cache, case.v_cache, whole, batch, flash)
+    return {"turn": relative_error(by_kernel, by_torch),
+            "merge": relative_error(merged_kernel, merged_torch),
+            "merge_vs_reference": relative_error(merged_kernel, reference_attention(case)),
+            "torch_path_vs_reference": relative_error(whole, reference_attention(case))}
+
+
+@pytest.fixture(scope="module")
+def interpreter_errors() -> dict:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("check", ["turn", "merge", "merge_vs_reference",
+                                   "torch_path_vs_reference"])
+def test_kernels_match_torch(interpreter_errors, name, check):
+    err = interpreter_errors[name]
+    assert isinstance(err, dict), err  # the child reports an exception as text
+    assert err[check] < TOLERANCE[CASES[name]["dtype"]], err
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
+    results: dict = {}
+    for case_name in CASES:
+        try:
+            results[case_name] = _errors(case_name)
+        except Exception as exc:  # report, so the other case still runs
+            results[case_name] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(results))

@@ -1,0 +1,130 @@
+"""The segment plan (span batches as FlashAttention rows merged by log-sum-exp) against
+the independent reference, on CPU: the rows run through `paged_flash_reference`, which
+computes what `flash_attn_varlen_func` does. The GPU tests run the same plans on FA3."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from minipic.attention.segment_attention import paged_flash_reference, prepare, segment_attention
+from minipic.attention.segment_plan import segment_plan
+from minipic.devtools.paged_attention_case import (epic_markers, make_case, random_segments,
+                                                   reference_attention, relative_error)
+
+# (query_lens, context_lens, markers per request; None: random spans and PDep blocks)
+CASES = {
+    "spans_mixed": ([1, 70, 37, 1, 50], [50, 133, 0, 400, 0], None),
+    "spans_decode": ([1, 1, 1], [300, 31, 517], None),
+    "epic_hit_and_decode": ([160 + 40, 1, 1, 7], [16 + 640, 800, 16 + 288 + 96 + 50, 20],
+                            [epic_markers(10, 4, 1, 3), epic_markers(3, 12, 2, 8),
+                             epic_markers(3, 6, 2, 5), ""]),
+    "epic_whole_prompt": ([16 + 288 + 96 + 50, 130], [0, 0],
+                          [epic_markers(3, 6, 2, 5), epic_markers(2, 3, 1, 2)]),
+    "epic_chunk_inside_links": ([40, 3], [16 + 6 * 16 * 3 + 8, 16 + 3 * 16 * 2 + 20],
+                                [epic_markers(3, 6, 2, 5), epic_markers(2, 3, 1, 2)]),
+}
+
+
+def run_plan(case, flash=paged_flash_reference):
+    layout = case.layout
+    seq_lens = case.seq_lens.tolist()
+    plan = segment_plan(layout, case.cu_seqlens_q.tolist(), seq_lens, case.block_size)
+    out = torch.full_like(case.q, float("nan"))
+    segment_attention(case.q, case.k_cache, case.v_cache, out, ready(case, plan),
+                      functools.partial(flash, scale=case.scale))
+    return plan, out
+
+
+def ready(case, plan):
+    return prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+
+
+def build(name, seed=0, **kwargs):
+    query_lens, context_lens, markers = CASES[name]
+    if markers is None:
+        rng = random.Random(f"{name}{seed}")
+        markers = [random_segments(q + c, 16, rng) for q, c in zip(query_lens, context_lens)]
+    return make_case(query_lens, context_lens, num_q_heads=kwargs.get("num_q_heads", 6),
+                     num_kv_heads=kwargs.get("num_kv_heads", 2), head_size=32,
+                     dtype=torch.float32, seed=seed, markers=markers,
+                     is_neox=kwargs.get("is_neox", True))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_plan_matches_reference(name, seed):
+    case = build(name, seed)
+    assert case.layout.frame_offset.any()
+    plan, out = run_plan(case)
+    assert relative_error(out, reference_attention(case)) < 1e-5
+    assert plan.own.query_index.tolist() == list(range(case.q.shape[0]))
+
+
+@pytest.mark.parametrize("name", ["epic_hit_and_decode", "spans_mixed"])
+def test_gqa_and_gptj_rotation(name):
+    case = build(name, num_q_heads=8, num_kv_heads=1, is_neox=False)
+    _, out = run_plan(case)
+    assert relative_error(out, reference_attention(case)) < 1e-5
+
+
+def test_a_task_after_cached_spans_reads_each_span_in_its_frame():
+    """The EPIC hit: the task's own row holds header, links and task (one frame), and one
+    non-causal row per cached span tail, its queries turned back by the span's start."""
+    case = build("epic_hit_and_decode")
+    plan, _ = run_plan(case)
+    rows = plan.earlier
+    first_query = rows.query_index[rows.cu_seqlens_q[:-1].long()]
+    task = (rows.row_request == 0) & (first_query >= 160)  # request 0: 10 links, then the task
+    assert int(task.sum()) == 10  # ten documents, each read in its own frame
+    # Each document: 4 blocks, the first replaced by its link, so 3 tail blocks.
+    assert rows.seqused_k[task].tolist() == [3 * 16] * 10
+    layout = case.layout
+    span_starts = sorted(set(layout.frame_offset[0][layout.span_of[0] >= 0].tolist()))
+    turns = rows.query_turn[rows.cu_seqlens_q[:-1].long()][task]
+    assert sorted(turns.tolist()) == [s + int(layout.link_tokens[0]) for s in span_starts]
+    # The k-th link reads the k - 1 documents before it: 45 rows, and 10 for the task.
+    assert int((rows.row_request == 0).sum()) == 45 + 10
+
+
+def test_earlier_rows_are_needed():
+    """Dropping the non-causal rows (the spans) gives another answer: the test can fail."""
+    case = build("epic_hit_and_decode")
+    plan, out = run_plan(case)
+    plan.earlier = None
+    alone = torch.empty_like(case.q)
+    segment_attention(case.q, case.k_cache, case.v_cache, alone, ready(case, plan),
+                      functools.partial(paged_flash_reference, scale=case.scale))
+    assert relative_error(alone, reference_attention(case)) > 1e-2
+
+
+def test_a_plain_request_is_one_causal_row_without_turns():
+    case = make_case([5, 1], [40, 64], num_q_heads=4, num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, markers=["-S-P", "----"])
+    plan, out = run_plan(case)
+    plain = plan.own.row_request == 1
+    assert int(plain.sum()) == 1
+    assert not plan.own.query_turn[plan.own.query_index == 5].any()
+    assert plan.earlier is None or not (plan.earlier.row_request == 1).any()
+    assert relative_error(out, reference_attention(case)) < 1e-5
+
+
+def test_quiet_keys_are_refused():
+    case = build("spans_decode")
+    case.layout.quiet = torch.zeros(3, 600, dtype=torch.bool)
+    with pytest.raises(ValueError, match="quiet keys"):
+        segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
+
+
+def test_a_span_computed_after_its_header_is_one_turned_row():
+    """A span's queries see their span only: one causal row in the span's frame, no
+    earlier rows, the FlashAttention call writing the output itself."""
+    case = make_case([32], [16], num_q_heads=4, num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, markers=["-S-"])
+    plan, out = run_plan(case)
+    assert plan.earlier is None
+    assert plan.own.query_turn.tolist() == [16] * 32  # the span starts at 16
+    assert relative_error(out, reference_attention(case)) < 1e-5

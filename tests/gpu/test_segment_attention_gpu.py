@@ -1,0 +1,98 @@
+"""Span batches on vLLM's own FlashAttention (segment_plan + segment_attention) on a CUDA
+GPU: against the fp64 torch reference and against minipic's Triton span kernel, on the
+span, EPIC link and decode batches the kernel tests use."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from minipic.attention import triton_kernel as tk
+from minipic.attention.segment_attention import prepare, segment_attention
+from minipic.attention.segment_plan import segment_plan
+from minipic.devtools.paged_attention_case import (epic_markers, make_case, random_segments,
+                                                   reference_attention, relative_error)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
+# (query_lens, context_lens, markers; None: random spans and PDep blocks)
+BATCHES = {
+    "spans_mixed": ([1, 200, 37, 1, 150], [50, 133, 0, 1000, 0], None),
+    "spans_decode": ([1, 1, 1], [1000, 31, 4097], None),
+    "epic_hit_and_decode": ([160 + 40, 1, 1, 7], [16 + 640, 800, 16 + 288 + 96 + 50, 20],
+                            [epic_markers(10, 4, 1, 3), epic_markers(3, 12, 2, 8),
+                             epic_markers(3, 6, 2, 5), ""]),
+    "epic_whole_prompt": ([16 + 288 + 96 + 50, 130], [0, 0],
+                          [epic_markers(3, 6, 2, 5), epic_markers(2, 3, 1, 2)]),
+    "hit_40_docs": ([50], [16 + 40 * 1008], ["-" + ("S" + "-" * 62) * 40 + "P"]),
+}
+
+
+def fa3(q, key_cache, value_cache, rows, block_table, causal, scale, out=None):
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q=q, k=key_cache, v=value_cache, cu_seqlens_q=rows.cu_seqlens_q,
+        max_seqlen_q=rows.max_seqlen_q, seqused_k=rows.seqused_k,
+        max_seqlen_k=rows.max_seqlen_k, softmax_scale=scale, causal=causal,
+        block_table=block_table, return_softmax_lse=True, fa_version=3, out=out)
+
+
+def run_rows(case):
+    plan = segment_plan(case.layout.to("cpu"), case.cu_seqlens_q.tolist(),
+                        case.seq_lens.tolist(), case.block_size).to("cuda")
+    batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    out = torch.full_like(case.q, float("nan"))
+    segment_attention(case.q, case.k_cache, case.v_cache, out, batch,
+                      functools.partial(fa3, scale=case.scale))
+    torch.cuda.synchronize()
+    return out
+
+
+def run_kernel(case):
+    out = torch.full_like(case.q, float("nan"))
+    segm = tk.segment_buffers(tk.SPLIT_KV_MAX_TOKENS, case.q.shape[1], case.q.shape[2], "cuda")
+    tk.unified_attention_rope(
+        case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
+        seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
+        softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
+        is_neox_style=case.is_neox, segm_output=segm[0], segm_max=segm[1],
+        segm_expsum=segm[2], seq_threshold_3d=16,
+        **tk.span_table_args(case.layout, case.block_size))
+    torch.cuda.synchronize()
+    return out
+
+
+def build(name, dtype, num_q_heads=32, num_kv_heads=8, head_size=128, seed=0):
+    query_lens, context_lens, markers = BATCHES[name]
+    if markers is None:
+        rng = random.Random(f"{name}{seed}")
+        markers = [random_segments(q + c, 16, rng) for q, c in zip(query_lens, context_lens)]
+    return make_case(query_lens, context_lens, num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+                     device="cuda", seed=seed, markers=markers)
+
+
+@pytest.mark.parametrize("name", sorted(BATCHES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_rows_on_fa3_match_reference_and_kernel(name, dtype):
+    case = build(name, dtype)
+    ours = run_rows(case)
+    ref = reference_attention(case)
+    err = relative_error(ours, ref)
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+    assert relative_error(ours, run_kernel(case)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_size",
+                         [(8, 1, 64), (6, 2, 128), (16, 16, 256)], ids=["mqa8", "group3", "mha256"])
+def test_head_shapes(num_q_heads, num_kv_heads, head_size):
+    case = build("epic_hit_and_decode", torch.bfloat16, num_q_heads, num_kv_heads, head_size)
+    assert relative_error(run_rows(case), reference_attention(case)) < TOLERANCE[torch.bfloat16]

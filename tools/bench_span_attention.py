@@ -1,0 +1,172 @@
+"""Time one attention layer of span batches on one GPU: minipic's two span paths and stock FA3.
+
+Llama-3-8B attention shapes (32 query heads, 8 KV heads, head 128, bf16, block 16), one
+paged cache with a shuffled block table. Batches:
+  hit10 / hit40   one RAG final prompt after a GPU hit: header, 10 (40) cached documents of
+                  1008 tokens as SSep spans, a 50-token PDep task computed (Block-Attention);
+  epic10          the same with EPIC: each document's first block recomputed as a link;
+  decode256       256 requests decoding one token each over a 4.3k-token span prompt
+                  (10 documents of 400 tokens, EPIC links, task).
+Variants, all on the same cache and queries:
+  fa3             stock FlashAttention 3, causal over the same keys: what stock vLLM runs
+                  for the same query tokens after its own full prefix hit (the floor);
+  flash_rows      minipic's default span path: segment_plan's rows on FA3, merged by LSE
+                  (query turns and merge included; `plan_ms`: building the plan on the
+                  host and making it ready on the device, once per batch for all layers);
+  triton          minipic's Triton span kernel (span_attention="triton").
+Times: median of CUDA-event timed launches after warm-up (eager: the rows are not
+captured). Writes results.json and results.md under --out.
+
+    tools/gpu_run.sh python3 tools/bench_span_attention.py --out $OUT/span_attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from minipic.attention import triton_kernel as tk
+from minipic.attention.segment_attention import prepare, segment_attention
+from minipic.attention.segment_plan import segment_plan
+from minipic.devtools.paged_attention_case import epic_markers, marker_layout, relative_error, rope_table
+
+Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def block_attention_markers(docs: int, doc_blocks: int, task_blocks: int) -> str:
+    return "-" + ("S" + "-" * (doc_blocks - 1)) * docs + "P" + "-" * (task_blocks - 1)
+
+
+# name -> (markers, requests, query tokens per request, sequence length)
+BATCHES = {
+    "hit10": (block_attention_markers(10, 63, 4), 1, 50, 16 + 10 * 1008 + 50),
+    "hit40": (block_attention_markers(40, 63, 4), 1, 50, 16 + 40 * 1008 + 50),
+    "epic10": (epic_markers(10, 63, 1, 4), 1, 160 + 50, 16 + 10 * 1008 + 160 + 50),
+    "decode256": (epic_markers(10, 25, 1, 6), 256, 1, 16 + 10 * 400 + 160 + 90),
+}
+
+
+class Batch:
+    def __init__(self, name: str, gen: torch.Generator) -> None:
+        markers, reqs, q_len, seq_len = BATCHES[name]
+        blocks = -(-seq_len // BLOCK)
+        assert len(markers) >= blocks, name
+        total = reqs * blocks
+        self.k = torch.randn(total, BLOCK, KV_HEADS, HEAD, device="cuda", dtype=DTYPE)
+        self.v = torch.randn_like(self.k)
+        self.table = torch.randperm(total, device="cuda").view(reqs, blocks).to(torch.int32)
+        self.q = torch.randn(reqs * q_len, Q_HEADS, HEAD, device="cuda", dtype=DTYPE)
+        self.cu = torch.arange(reqs + 1, device="cuda", dtype=torch.int32) * q_len
+        self.seq_lens = torch.full((reqs,), seq_len, device="cuda", dtype=torch.int32)
+        self.q_len, self.seq_len = q_len, seq_len
+        self.layout_host = marker_layout([markers[:blocks]] * reqs, blocks, BLOCK)
+        self.layout = self.layout_host.to("cuda")
+        self.cos_sin = rope_table(HEAD, 2 * seq_len + 64, device="cuda")
+        self.scale = HEAD ** -0.5
+
+    def plan(self):
+        qsl = self.cu.tolist()
+        plan = segment_plan(self.layout_host, qsl, self.seq_lens.tolist(), BLOCK).to("cuda")
+        return prepare(plan, self.table, self.cos_sin, HEAD, True)
+
+
+def fa3_rows(q, key_cache, value_cache, rows, block_table, causal, scale, out=None):
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q=q, k=key_cache, v=value_cache, cu_seqlens_q=rows.cu_seqlens_q,
+        max_seqlen_q=rows.max_seqlen_q, seqused_k=rows.seqused_k,
+        max_seqlen_k=rows.max_seqlen_k, softmax_scale=scale, causal=causal,
+        block_table=block_table, return_softmax_lse=True, fa_version=3, out=out)
+
+
+def launchers(b: Batch, out: torch.Tensor) -> dict:
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    batch = b.plan()
+    segm = tk.segment_buffers(tk.SPLIT_KV_MAX_TOKENS, Q_HEADS, HEAD, "cuda")
+
+    def fa3():
+        flash_attn_varlen_func(q=b.q, k=b.k, v=b.v, max_seqlen_q=b.q_len, cu_seqlens_q=b.cu,
+                               max_seqlen_k=b.seq_len, seqused_k=b.seq_lens,
+                               softmax_scale=b.scale, causal=True, block_table=b.table,
+                               out=out, fa_version=3)
+
+    def flash_rows():
+        segment_attention(b.q, b.k, b.v, out, batch, functools.partial(fa3_rows, scale=b.scale))
+
+    def triton():
+        tk.unified_attention_rope(
+            b.q, b.k, b.v, out, cu_seqlens_q=b.cu, seqused_k=b.seq_lens,
+            max_seqlen_q=b.q_len, block_table=b.table, softmax_scale=b.scale,
+            cos_sin=b.cos_sin, rotary_dim=HEAD, is_neox_style=True, segm_output=segm[0],
+            segm_max=segm[1], segm_expsum=segm[2],
+            seq_threshold_3d=tk.MIN_GRID_2D // KV_HEADS, **tk.span_table_args(b.layout, BLOCK))
+
+    return {"fa3": fa3, "flash_rows": flash_rows, "triton": triton}
+
+
+def time_ms(fn, repeats: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def plan_ms(b: Batch, repeats: int = 20) -> float:
+    b.plan()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        b.plan()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) / repeats * 1e3
+
+
+def measure(name: str) -> dict:
+    b = Batch(name, torch.Generator().manual_seed(0))
+    outs, row = {}, {"batch": name, "requests": b.cu.numel() - 1, "query_tokens": b.q.shape[0],
+                     "seq_len": b.seq_len}
+    for variant, fn in launchers(b, out := torch.empty_like(b.q)).items():
+        row[f"{variant}_ms"] = round(time_ms(fn), 4)
+        outs[variant] = out.clone()
+    row["plan_ms"] = round(plan_ms(b), 3)
+    row["flash_rows_vs_triton_error"] = relative_error(outs["flash_rows"], outs["triton"])
+    row["flash_rows_vs_fa3"] = round(row["flash_rows_ms"] / row["fa3_ms"], 3)
+    row["triton_vs_fa3"] = round(row["triton_ms"] / row["fa3_ms"], 3)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batches", nargs="*", default=sorted(BATCHES))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.batches:
+        rows.append(measure(name))
+        print(json.dumps(rows[-1]), flush=True)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    (args.out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    (args.out / "results.md").write_text(f"{env['gpu']}, eager\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
