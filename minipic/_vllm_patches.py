@@ -74,7 +74,7 @@ import logging
 from typing import Any, Callable
 
 from minipic.config import (CONFIG_KEY, CONNECTOR_NAME, check_option_keys, is_enabled,
-                            server_recipe, span_protocol_of)
+                            mask_markers, server_recipe, span_attention, span_protocol_of)
 from minipic.hashing.block_hasher import check_hash_algo
 from minipic.marker_checks import check_markers_fit_model
 from minipic.protocol import MisplacedMarkerError, SpanProtocol
@@ -155,6 +155,8 @@ def _prepare_config(vllm_config: Any) -> SpanProtocol:
     check_hash_algo(vllm_config.cache_config.prefix_caching_hash_algo)
     _check_connector_options(vllm_config)
     server_recipe(vllm_config)  # a bad `recipe` option fails at start-up, not per request
+    span_attention(vllm_config)  # and bad `span_attention` or `mask_markers` values, before
+    mask_markers(vllm_config)  # an engine process reads them
     protocol = span_protocol_of(vllm_config)
     check_markers_fit_model(protocol, vllm_config)
     if not isinstance(vllm_config.additional_config, dict):
@@ -265,7 +267,6 @@ def _register_runner_after_init(original):
         if is_enabled(vllm_config):
             from minipic.attention.rope import reset_rope
             from minipic.attention.span_layout import register_runner
-            from minipic.config import mask_markers
 
             # first: it may refuse
             register_runner(self, span_protocol_of(vllm_config), mask_markers(vllm_config))

@@ -126,6 +126,13 @@ def test_unknown_minipic_option_is_refused(tiny_model):
         start_llm(tiny_model, additional_config={"minipic": {"ssep_tokne_id": 7}})
 
 
+@pytest.mark.parametrize("option,value", [("span_attention", "fa3"), ("recipe", "epic3"),
+                                          ("mask_markers", "yes")])
+def test_bad_option_values_are_refused(tiny_model, option, value):
+    with pytest.raises(ValueError, match=f"minipic.{option} must be"):
+        start_llm(tiny_model, additional_config={"minipic": {option: value}})
+
+
 def marker_ids(**overrides) -> dict:
     ids = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5, **overrides}
     return {"additional_config": {"minipic": ids}}
