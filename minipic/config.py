@@ -15,9 +15,9 @@ tokens), `enabled` (false turns an `additional_config` section off),
 `mask_markers` (true: marker and padding keys are hidden from every query
 outside their own span and take no room in positions; see docs/accuracy.md for
 what it does to answers), `recipe` (the
-span prompt the API server builds from a chat request's `documents`: "epic2",
-the default (two recomputed blocks per document), "epic" (one) or
-"block_attention"; see minipic/serving/chat_documents.py), `span_attention` (CUDA,
+span prompt the API server builds from a chat request's `documents`: "epic64",
+the default (each document's first 64 tokens recomputed, in whole blocks), "epic2"
+(two blocks), "epic" (one) or "block_attention"; see minipic/serving/chat_documents.py), `span_attention` (CUDA,
 fp16/bf16 models: "flash", the default, attends span batches with vLLM's own
 FlashAttention, one call per frame merged by log-sum-exp; "triton" with minipic's
 span kernel, which mask_markers batches always take). Any other
@@ -51,10 +51,10 @@ ENGINE_OPTION_KEYS = frozenset(
 # Span prompts the API server can build from chat `documents` (option `recipe`), the names
 # of client.prompts.recipes.RECIPES_BY_NAME (not imported here: the client package is slow
 # to import, and this module loads in every engine process).
-SERVER_RECIPES = ("epic", "epic2", "block_attention")
+SERVER_RECIPES = ("epic64", "epic", "epic2", "block_attention")
 # The default: answers closest to full prefill on off-the-shelf models (docs/accuracy.md:
-# one recomputed block per document lost 10 points on SmolLM2-135M, two lost 2.6).
-DEFAULT_SERVER_RECIPE = "epic2"
+# 32 recomputed tokens per document lost 10 points on SmolLM2-135M, 64 lost 2.6).
+DEFAULT_SERVER_RECIPE = "epic64"
 
 
 class UnknownOptionError(ValueError):

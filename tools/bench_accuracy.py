@@ -66,7 +66,7 @@ def _prompt_cache(docs, task, *, protocol, block_size, system=None, tokenizer=No
 # recipe plugs in with one line.
 METHODS: dict[str, Callable[..., Any] | None] = {
     "stock": None,
-    **RECIPES_BY_NAME,  # block_attention, epic, epic2 (two blocks: less reuse, for the trade-off)
+    **RECIPES_BY_NAME,  # block_attention, epic (1 block), epic2 (2), epic64 (64 tokens)
     "prompt_cache": _prompt_cache,
 }
 

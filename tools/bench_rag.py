@@ -656,7 +656,8 @@ def parse_args() -> argparse.Namespace:
     t1.add_argument("--samples", type=int, default=4000)
     t1.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default="block_attention",
                     help="span prompts of configs 4-6 (epic adds one recomputed link block per "
-                         "document, epic2 two); configs 1-3 run the plain prompt either way")
+                         "document, epic2 two, epic64 64 tokens' worth); configs 1-3 run the "
+                         "plain prompt either way")
     t1.add_argument("--warmup", type=int, default=64, help="samples run before timing")
     t1.add_argument("--max-num-seqs", type=int, default=1024, help="configs 1-4 and 6")
     t1.add_argument("--isps-seqs", type=int_list, default=[64, 1024, 2048])

@@ -68,7 +68,7 @@ def main() -> None:
                         help="disk phases, e.g. warm:4,warm:16,cold:16 (module docstring)")
     parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default="block_attention",
                         help="span prompt layout (epic recomputes one link block per document, "
-                             "epic2 two)")
+                             "epic2 two, epic64 64 tokens' worth)")
     add_minipic_option(parser)
     args = parser.parse_args()
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,

@@ -163,7 +163,8 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
     with tempfile.TemporaryDirectory() as tmp:
         model, engine, markers = make_model(arch, Path(tmp))
         needed = final_prompt_tokens(doc_counts, doc_tokens, engine["block_size"]) + 64
-        needed += 2 * max(doc_counts) * engine["block_size"]  # EPIC's links (epic2: 2 a doc)
+        # EPIC's links: up to 64 tokens a document (epic64), or two blocks (epic2)
+        needed += max(64, 2 * engine["block_size"]) * max(doc_counts)
         engine["max_model_len"] = max(engine["max_model_len"], needed)
         engine["enforce_eager"] = engine.get("enforce_eager", False) or eager
         phases = phases_of(list(disk_phases))

@@ -13,8 +13,9 @@ the header is the rendering of the leading system messages alone, which must be
 a token prefix of the whole. Each document is cut into spans exactly as
 `minipic-preload` and `RagClient` cut it (client/prompts/document_spans.py: windows of
 DEFAULT_SPAN_TOKENS, each padded to the engine's block size), so what a preload
-stored is what a chat request hits; the recipe (`epic` by default, links after all spans;
-`epic2`, two recomputed blocks per document; or `block_attention`) comes from minipic's
+stored is what a chat request hits; the recipe (EPIC, links after all spans: `epic64`
+by default, each document's first 64 tokens recomputed in whole blocks; `epic2` or
+`epic`, two or one recomputed blocks; or `block_attention`) comes from minipic's
 `recipe` option or, per request, from `vllm_xargs: {"minipic_recipe": ...}`. The builders
 are minipic.client's, so a client building the same prompt from the same token ids gets
 the same tokens.

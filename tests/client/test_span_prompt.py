@@ -174,6 +174,30 @@ def test_epic_layout(tokenizer, protocol, k):
     assert p.expected_cached_tokens == len(header) + len(spans[0]) + len(spans[1])
 
 
+@pytest.mark.parametrize("block_size,blocks", [(4, 3), (5, 2), (12, 1), (2, 5)])
+def test_epic_recomputes_tokens_in_whole_blocks(tokenizer, protocol, block_size, blocks):
+    """recompute_tokens=10: as many whole blocks as hold 10 tokens, at every block size
+    (the default recipe's accuracy is a number of tokens, not of blocks)."""
+    kwargs = dict(system=SYSTEM, protocol=protocol, block_size=block_size, tokenizer=tokenizer)
+    assert epic(DOCS, TASK, recompute_tokens=10, **kwargs) == \
+        epic(DOCS, TASK, recompute_blocks=blocks, **kwargs)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_recompute_tokens_must_be_a_count(tokenizer, protocol, bad):
+    with pytest.raises(SpanPromptError, match="recompute_tokens must be an int >= 0"):
+        epic(DOCS, TASK, recompute_tokens=bad, protocol=protocol, block_size=B,
+             tokenizer=tokenizer)
+
+
+def test_the_default_recipe_recomputes_64_tokens():
+    from minipic.client.prompts.recipes import RECIPES_BY_NAME
+    from minipic.config import DEFAULT_SERVER_RECIPE, SERVER_RECIPES
+
+    assert DEFAULT_SERVER_RECIPE == "epic64" and set(SERVER_RECIPES) == set(RECIPES_BY_NAME)
+    assert RECIPES_BY_NAME["epic64"].keywords == {"recompute_tokens": 64}
+
+
 def test_epic_needs_a_link_marker(tokenizer, protocol):
     without_link = SpanProtocol(protocol.ssep_token_id, protocol.pdep_token_id,
                                 protocol.pad_token_id)

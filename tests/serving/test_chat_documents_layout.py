@@ -80,7 +80,7 @@ def test_request_recipe_override_and_default():
 
 def test_bad_recipe_option_is_refused_at_start(tiny_model):
     with pytest.raises(ValueError,
-                       match="minipic.recipe must be one of 'epic', 'epic2', 'block_attention'"):
+                       match="minipic.recipe must be one of 'epic64', 'epic', 'epic2', 'block_attention'"):
         start_llm(tiny_model, additional_config={"minipic": {"recipe": "blockattention"}})
 
 

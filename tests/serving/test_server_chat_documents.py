@@ -72,7 +72,7 @@ def rendered(tokenizer, messages, generation_prompt: bool) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def expected_prompt(tokenizer, messages, documents, recipe=RECIPES_BY_NAME["epic2"]):
+def expected_prompt(tokenizer, messages, documents, recipe=RECIPES_BY_NAME["epic64"]):
     """The span prompt minipic.client builds for the same conversation and documents."""
     system = [m for m in messages if m["role"] == "system"]
     header = rendered(tokenizer, system, False) if system else []
@@ -189,7 +189,7 @@ def test_unknown_recipe_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, [SYSTEM, QUESTION], [DOC_A],
              extra_body={"vllm_xargs": {"minipic_recipe": "fancy"}})
-    assert "vllm_xargs.minipic_recipe must be one of 'epic', 'epic2', 'block_attention'" in \
+    assert "vllm_xargs.minipic_recipe must be one of 'epic64', 'epic', 'epic2', 'block_attention'" in \
         error.value.message
 
 
@@ -203,7 +203,7 @@ def test_settings_route_publishes_block_size_and_markers(server):
         settings = json.load(response)
     assert settings["block_size"] == BLOCK_SIZE
     assert settings["span_protocol"] == PROTOCOL.to_dict()
-    assert settings["recipe"] == "epic2"  # the server's default
+    assert settings["recipe"] == "epic64"  # the server's default
     assert settings["max_model_len"] == MAX_MODEL_LEN
 
 
@@ -222,8 +222,8 @@ def test_completions_take_documents_in_vllm_xargs(client, tokenizer):
     ids = tokenizer.encode(prompt)  # as vLLM tokenizes a completion prompt
     lead = ids[:1] if ids[:1] == [tokenizer.bos_token_id] else []
     header = lead + tokenizer.encode(system, add_special_tokens=False)
-    epic2 = RECIPES_BY_NAME["epic2"]  # the server's default
-    expected = epic2([tokenizer.encode(t, add_special_tokens=False) for t in texts[::-1]],
+    default = RECIPES_BY_NAME["epic64"]  # the server's default
+    expected = default([tokenizer.encode(t, add_special_tokens=False) for t in texts[::-1]],
                      ids[len(lead):], system=header, protocol=PROTOCOL, block_size=BLOCK_SIZE)
     assert responses[1].choices[0].prompt_token_ids == expected.final
     assert cached(responses[1]) == expected.expected_cached_tokens > 2 * BLOCK_SIZE

@@ -10,8 +10,9 @@ Documents are given as text (cut into spans exactly as `minipic-preload`
 cuts them, so preloaded text hits) or as `DocRef`s to a preload manifest
 (its stored token ids, no re-tokenizing). The final prompt is, with the default
 recipe "epic" (right answers from models not fine-tuned for block attention; the
-first `recompute_blocks`=2 blocks of each document recomputed in context, as one was
-not enough on a small model, docs/accuracy.md),
+first `recompute_tokens`=64 tokens of each document recomputed in context, in whole
+blocks, as 32 were not enough on a small model, docs/accuracy.md; or
+`recompute_blocks` blocks when given),
 [BOS system pad][SSep span pad]...[link span head]...[PDep question], and with
 recipe="block_attention" (models fine-tuned for it) the same without the links.
 Both reuse the same preloaded spans. `ask` first prefills the
@@ -32,7 +33,7 @@ from minipic.client.prompts.document_spans import DEFAULT_SPAN_TOKENS, document_
 from minipic.client.rag.isps import InterleavedScheduler
 from minipic.client.preload.manifest import Manifest, ManifestError
 from minipic.client.rag.request import RagRequest, RagResult
-from minipic.client.prompts.recipes import block_attention, epic
+from minipic.client.prompts.recipes import ACCURATE_RECOMPUTE_TOKENS, block_attention, epic
 from minipic.client.prompts.span_prompt import SpanPrompt, SpanPromptError
 from minipic.protocol import SpanProtocol
 
@@ -56,11 +57,12 @@ class RagClient:
                  span_tokens: int | None = None, tokenizer: Any = None,
                  protocol: SpanProtocol | None = None, max_tokens: int = 64,
                  temperature: float = 0.0, max_in_flight: int = 16, recipe: str = "epic",
-                 recompute_blocks: int = 2):
+                 recompute_tokens: int = ACCURATE_RECOMPUTE_TOKENS,
+                 recompute_blocks: int | None = None):
         if recipe not in RECIPES:
             raise SpanPromptError(f"recipe must be one of {RECIPES}, got {recipe!r}")
         self.recipe = recipe
-        self.recompute_blocks = recompute_blocks
+        self.recompute_tokens, self.recompute_blocks = recompute_tokens, recompute_blocks
         self.backend = backend
         self.system = system
         self.manifest = manifest
@@ -100,7 +102,9 @@ class RagClient:
                       tokenizer=self.tokenizer)
         if self.recipe == "block_attention":
             return block_attention(spans, question, **common)
-        return epic(spans, question, recompute_blocks=self.recompute_blocks, **common)
+        if self.recompute_blocks is not None:
+            return epic(spans, question, recompute_blocks=self.recompute_blocks, **common)
+        return epic(spans, question, recompute_tokens=self.recompute_tokens, **common)
 
     def request(self, question: str | Sequence[int], docs: Sequence[Doc], *,
                 max_tokens: int | None = None, metadata: Any = None) -> RagRequest:
