@@ -64,7 +64,12 @@ versions, worker process unless said otherwise):
 |   impl .sliding_window, .sinks, .logits_soft_cap, |                       | plain batches are the    |
 |   .kv_cache_dtype, .alibi_slopes, .chunk_lookback |                       | stock backend's own      |
 | CommonAttentionMetadata .query_start_loc(_cpu),   | attention/*_backend.py| per-request query and    |
-|   .seq_lens(_cpu), .block_table_tensor, .num_reqs |                       | key extents              |
+|   .seq_lens(_cpu), .seq_lens_cpu_upper_bound      |                       | key extents; the span    |
+|   (0.25), .max_seq_len, .block_table_tensor,      |                       | rows' block tables       |
+|   .num_reqs                                       |                       |                          |
+| FlashAttentionImpl .vllm_flash_attn_version, .scale;| attention/          | span batches as          |
+|   backends.flash_attn.flash_attn_varlen_func      |   cuda_backend.py     | FlashAttention rows      |
+|   (return_softmax_lse, block_table, out)          |                       |                          |
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class Batch:
 
     def plan(self):
         qsl = self.cu.tolist()
-        plan = segment_plan(self.layout_host, qsl, self.seq_lens.tolist(), BLOCK).to("cuda")
+        plan = segment_plan(self.layout_host, qsl, self.seq_lens.tolist(), BLOCK)
         return prepare(plan, self.table, self.cos_sin, HEAD, True)
 
 

@@ -52,7 +52,7 @@ from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAtte
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.segment_attention import prepare, segment_attention
+from minipic.attention.segment_attention import prepare, segment_attention, with_block_table
 from minipic.attention.segment_plan import segment_plan
 from minipic.attention.span_layout import current_layout, key_turn_backs, token_shifts
 from minipic.attention.triton_kernel import (
@@ -64,6 +64,10 @@ from minipic.attention.triton_kernel import (
     span_table_args,
     unified_attention_rope,
 )
+
+# Span batches whose non-causal rows would hold more query copies than this (each row
+# copies its run's queries: a 4k-token task over 40 documents is 160k) take the kernel.
+MAX_EARLIER_ROW_TOKENS = 32768
 
 # Quantised caches would need dequantisation before the rotation: not implemented.
 _SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
@@ -78,7 +82,8 @@ class SpanBatchBuilder:
     `minipic_tables` (the per block tables of this batch's SpanLayout, on the device)
     for span batches attended by the kernel, else None;
     `minipic_quiet_bits` (mask_markers: triton_kernel.quiet_words, else None),
-    `minipic_token_shift` (the Q turn-backs of link tokens, a rotation.Rotation, None
+    `minipic_token_shift` (kernel path: the Q turn-backs of link tokens, a rotation.Rotation;
+    the rows fold them into their own turns; None
     without links), `minipic_key_turn` (the K turn-backs before the cache write, None
     when all are 0), `minipic_span_block_size`, and the kernel's split-KV scratch
     (`minipic_segments`, `minipic_seq_threshold_3d`)."""
@@ -99,7 +104,9 @@ class SpanBatchBuilder:
                                         self.num_heads_q, self.headdim, device)
         from minipic.config import span_attention
 
-        self.use_flash_rows = self.has_flash_rows and span_attention(vllm_config) == "flash"
+        # FA3 only: FA2's varlen LSE for GQA decodes (its swapped query groups) is untested
+        self.use_flash_rows = (self.has_flash_rows and span_attention(vllm_config) == "flash"
+                               and _flash_attention_version(kv_cache_spec.head_size) == 3)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -112,12 +119,11 @@ class SpanBatchBuilder:
         if has_spans:
             query_start_loc, seq_lens = _host_extents(m)
             if self.use_flash_rows and layout.quiet is None:
-                metadata.minipic_rows = self._rows(layout, query_start_loc, seq_lens,
-                                                   m.block_table_tensor)
-            else:
+                metadata.minipic_rows = self._rows(layout, query_start_loc, seq_lens, m)
+            if metadata.minipic_rows is None:
                 self._kernel_tables(metadata, layout, seq_lens)
-            metadata.minipic_token_shift = token_turns(token_shifts(
-                layout, query_start_loc, seq_lens, self.block_size), self.device)
+                metadata.minipic_token_shift = token_turns(token_shifts(
+                    layout, query_start_loc, seq_lens, self.block_size), self.device)
             metadata.minipic_key_turn = token_turns(key_turn_backs(
                 layout, query_start_loc, seq_lens, self.block_size), self.device)
         metadata.minipic_span_block_size = self.block_size
@@ -125,15 +131,30 @@ class SpanBatchBuilder:
         metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
         return metadata
 
-    def _rows(self, layout, query_start_loc: list[int], seq_lens: list[int],
-              block_table: torch.Tensor):
+    def _rows(self, layout, query_start_loc: list[int], seq_lens: list[int], m):
         """The batch's FlashAttention rows, planned on the host (one copy of the tables)
-        and made ready on the device for every layer."""
-        plan = segment_plan(layout.to("cpu"), query_start_loc, seq_lens,
-                            self.block_size).to(self.device)
+        and made ready on the device for every layer; None when they would copy more
+        queries than MAX_EARLIER_ROW_TOKENS (a long task chunk over many documents: the
+        kernel reads each key once instead)."""
+        plan = segment_plan(layout.to("cpu"), query_start_loc, seq_lens, self.block_size,
+                            link_shifts=True)
+        if plan.own.query_index.numel() != m.num_actual_tokens:
+            raise UnsupportedAttentionError(  # host lengths must be exact (no async spec decode)
+                f"span batch of {m.num_actual_tokens} tokens planned as "
+                f"{plan.own.query_index.numel()}: minipic needs exact host sequence lengths")
+        if plan.earlier is not None and plan.earlier.query_index.numel() > MAX_EARLIER_ROW_TOKENS:
+            return None
         rope = current_rope()
-        return prepare(plan, block_table, rope.cos_sin(self.device), rope.rotary_dim,
+        return prepare(plan, m.block_table_tensor, rope.cos_sin(self.device), rope.rotary_dim,
                        rope.is_neox_style)
+
+    def update_block_table(self, metadata, blk_table: torch.Tensor, slot_mapping: torch.Tensor):
+        """vLLM reuses one KV cache group's metadata for another with its own block table:
+        the rows' physical tables follow it."""
+        new = super().update_block_table(metadata, blk_table, slot_mapping)
+        if getattr(metadata, "minipic_rows", None) is not None:
+            new.minipic_rows = with_block_table(metadata.minipic_rows, blk_table)
+        return new
 
     def _kernel_tables(self, metadata, layout, seq_lens: list[int]) -> None:
         """Per block tables to the device for the span kernel; per token ones stay
@@ -188,11 +209,11 @@ class SpanBatchImpl:
         n = md.num_actual_tokens
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rope = current_rope()
-        query = turn_back_tokens(query, md.minipic_token_shift)
-        if rows is not None:
+        if rows is not None:  # link shifts are in the rows' turns
             segment_attention(query[:n], key_cache, value_cache, output[:n], rows,
                               self.run_flash_rows)
             return output
+        query = turn_back_tokens(query, md.minipic_token_shift)
         segm_output, segm_max, segm_expsum = md.minipic_segments
         unified_attention_rope(
             query[:n], key_cache, value_cache, output[:n],
@@ -303,6 +324,14 @@ def flash_attention_serves(head_size: int, dtype: torch.dtype) -> bool:
             and capability is not None
             and FlashAttentionBackend.supports_compute_capability(capability)
             and get_flash_attn_version(head_size=head_size) is not None)  # this build has FA
+
+
+def _flash_attention_version(head_size: int) -> int | None:
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    except ImportError:
+        return None
+    return get_flash_attn_version(head_size=head_size)
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,11 +39,12 @@ class SegmentBatch:
     is_neox_style: bool
 
 
-def prepare(plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Tensor,
+def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Tensor,
             rotary_dim: int, is_neox_style: bool) -> SegmentBatch:
-    """`plan` (on the device) with its tables and turns looked up."""
+    """`host_plan` moved to the block table's device, its tables and turns looked up."""
+    own_turned = bool(host_plan.own.query_turn.any())  # on the host: no device sync
+    plan = host_plan.to(block_table.device)
     own, earlier = plan.own, plan.earlier
-    own_turned = bool(own.query_turn.any())
     parts = ([own] if own_turned else []) + ([earlier] if earlier is not None else [])
     turn_index = turn = None
     if parts:
@@ -53,6 +54,15 @@ def prepare(plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Tensor,
     return SegmentBatch(plan, _row_table(block_table, own),
                         None if earlier is None else _row_table(block_table, earlier),
                         turn_index, turn, own_turned, rotary_dim, is_neox_style)
+
+
+def with_block_table(batch: SegmentBatch, block_table: torch.Tensor) -> SegmentBatch:
+    """The same batch over another KV cache group's block table (vLLM's
+    update_block_table reuses one group's metadata for another)."""
+    earlier = batch.plan.earlier
+    return dataclasses.replace(
+        batch, own_table=_row_table(block_table, batch.plan.own),
+        earlier_table=None if earlier is None else _row_table(block_table, earlier))
 
 
 def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

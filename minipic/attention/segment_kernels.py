@@ -21,9 +21,10 @@ def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
                       HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
                       HALF_PADDED: tl.constexpr, PASS_PADDED: tl.constexpr,
                       IS_NEOX: tl.constexpr):
-    row = tl.program_id(0)
+    # int64 offsets: rows x row stride passes 2^31 elements on long batches
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    token = tl.load(index_ptr + row)
+    token = tl.load(index_ptr + row).to(tl.int64)
     src = q_ptr + token * q_stride_t + head * q_stride_h
     dst = out_ptr + row * out_stride_t + head * out_stride_h
     r = tl.arange(0, HALF_PADDED)
@@ -68,14 +69,14 @@ def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, start
                        earlier_stride_t, earlier_stride_h, earlier_lse_stride_h,
                        out_stride_t, out_stride_h,
                        HEAD_SIZE: tl.constexpr, HEAD_PADDED: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # int64 offsets, as in _turn_rows_kernel
     head = tl.program_id(1)
     first = tl.load(starts_ptr + token)
     last = tl.load(starts_ptr + token + 1)
     own_lse = tl.load(own_lse_ptr + head * own_lse_stride_h + token)
     peak = own_lse
     for i in range(first, last):
-        entry = tl.load(entries_ptr + i)
+        entry = tl.load(entries_ptr + i).to(tl.int64)
         peak = tl.maximum(peak, tl.load(earlier_lse_ptr + head * earlier_lse_stride_h + entry))
     d = tl.arange(0, HEAD_PADDED)
     d_mask = d < HEAD_SIZE
@@ -84,7 +85,7 @@ def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, start
                              mask=d_mask, other=0.0).to(tl.float32)
     norm = weight
     for i in range(first, last):
-        entry = tl.load(entries_ptr + i)
+        entry = tl.load(entries_ptr + i).to(tl.int64)
         w = tl.exp(tl.load(earlier_lse_ptr + head * earlier_lse_stride_h + entry) - peak)
         total += w * tl.load(earlier_ptr + entry * earlier_stride_t + head * earlier_stride_h + d,
                              mask=d_mask, other=0.0).to(tl.float32)

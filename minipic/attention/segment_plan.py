@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from minipic.attention.span_layout import SpanLayout
@@ -100,132 +101,156 @@ def _move_packed(tensors: dict, device: torch.device) -> dict:
 
 
 def segment_plan(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
-                 block_size: int) -> SegmentPlan:
-    """The FlashAttention rows of a batch (`layout` on the host, without quiet keys)."""
+                 block_size: int, link_shifts: bool = False) -> SegmentPlan:
+    """The FlashAttention rows of a batch (`layout` on the host, without quiet keys).
+
+    `link_shifts`: the queries are as the model hands them, so a link token's turns
+    include its link shift (SpanLayout.shift, its Q to its logical position: one
+    rotation, not two); else the caller turned link queries already."""
     if layout.quiet is not None:
         raise ValueError("quiet keys hide single keys: the segment plan cannot express them")
     runs = _QueryRuns(layout, query_start_loc, seq_lens, block_size)
     turn = runs.key_turns()
+    if link_shifts:  # one shift per run (runs split where the shift changes)
+        turn = turn + runs.link_shift()[:, None]
     visible = runs.earlier_visible()
     same_frame = visible & (turn == runs.own_turn(turn)[:, None])
     own = runs.own_rows(same_frame, turn)
     earlier = runs.earlier_rows(visible & ~same_frame, turn)
     if earlier is None:
         return SegmentPlan(own, None)
-    tokens = own.query_index.numel()
-    counts = torch.bincount(earlier.query_index, minlength=tokens)
-    starts = torch.zeros(tokens + 1, dtype=torch.int32)
-    starts[1:] = counts.cumsum(0)
-    entries = earlier.query_index.argsort(stable=True).to(torch.int32)
-    return SegmentPlan(own, earlier, starts, entries)
+    token = earlier.query_index.numpy()
+    starts = np.zeros(own.query_index.numel() + 1, dtype=np.int32)
+    starts[1:] = np.bincount(token, minlength=starts.size - 1).cumsum()
+    entries = np.argsort(token, kind="stable").astype(np.int32)
+    return SegmentPlan(own, earlier, torch.from_numpy(starts), torch.from_numpy(entries))
 
 
 class _QueryRuns:
     """The batch's query runs: per request, its query positions split where a block
     starts a new segment (another span, frame or link shift). Run n is request
     `request[n]`'s positions [first[n], end[n]) in the segment starting at block
-    `segment[n]`; its query tokens in the batch start at `token[n]`."""
+    `segment[n]`; its query tokens in the batch start at `token[n]`. numpy arrays: a
+    plan is a few dozen operations on small arrays, where numpy's per-call cost is a
+    fraction of torch's."""
 
     def __init__(self, layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
                  block_size: int) -> None:
-        self.layout, self.block_size = layout, block_size
-        span_of, frame, shift = layout.span_of, layout.frame_offset, layout.shift
-        reqs, blocks = span_of.shape
-        self.block = torch.arange(blocks)
-        starts_segment = torch.ones(reqs, blocks, dtype=torch.bool)
-        starts_segment[:, 1:] = ((span_of[:, 1:] != span_of[:, :-1])
-                                 | (frame[:, 1:] != frame[:, :-1])
+        self.block_size = block_size
+        self.span_of, self.context = _host(layout.span_of), _host(layout.context_pos)
+        self.frame, self.shift = _host(layout.frame_offset), _host(layout.shift)
+        shift = self.shift
+        reqs, blocks = self.span_of.shape
+        self.links_end = np.zeros(reqs, np.int64) if layout.links_end is None \
+            else _host(layout.links_end)
+        self.link_tokens = np.zeros(reqs, np.int64) if layout.link_tokens is None \
+            else _host(layout.link_tokens)
+        self.block = np.arange(blocks)
+        starts_segment = np.ones((reqs, blocks), dtype=bool)
+        starts_segment[:, 1:] = ((self.span_of[:, 1:] != self.span_of[:, :-1])
+                                 | (self.frame[:, 1:] != self.frame[:, :-1])
                                  | (shift[:, 1:] != shift[:, :-1]))
-        segment_of = torch.where(starts_segment, self.block, 0).cummax(dim=1).values
-        qsl = torch.tensor(query_start_loc[: reqs + 1])
-        seq = torch.tensor(seq_lens[:reqs])
+        segment_of = np.maximum.accumulate(np.where(starts_segment, self.block, 0), axis=1)
+        qsl = np.asarray(query_start_loc[: reqs + 1], dtype=np.int64)
+        seq = np.asarray(seq_lens[:reqs], dtype=np.int64)
         start = seq - (qsl[1:] - qsl[:-1])  # each request's first query position
         first_block, last_block = start // block_size, (seq - 1) // block_size
         in_queries = (self.block >= first_block[:, None]) & (self.block <= last_block[:, None])
         heads = in_queries & (starts_segment | (self.block == first_block[:, None]))
-        self.request, head_block = heads.nonzero(as_tuple=True)  # by request, then block
+        self.request, head_block = np.nonzero(heads)  # by request, then block
         r = self.request
-        self.first = torch.maximum(head_block * block_size, start[r])
-        follows = torch.zeros_like(r, dtype=torch.bool)
+        self.first = np.maximum(head_block * block_size, start[r])
+        follows = np.zeros(r.size, dtype=bool)
         follows[:-1] = r[1:] == r[:-1]  # the next run is the same request's
-        self.end = torch.where(follows, self.first.roll(-1), seq[r])
+        self.end = np.where(follows, np.roll(self.first, -1), seq[r])
         self.segment = segment_of[r, head_block]
         self.token = qsl[r] + self.first - start[r]
         self.length = self.end - self.first
 
-    def key_turns(self) -> torch.Tensor:
+    def key_turns(self) -> np.ndarray:
         """[runs, blocks]: how far each run's queries are turned back to score each block's
         keys: the block's frame offset (keys read where they stand), plus link_tokens for
         keys before the links when the run is past them (links take no room)."""
-        layout, r = self.layout, self.request
-        frame = layout.frame_offset[r].long()
-        if layout.links_end is None:
-            return frame
-        links_end = layout.links_end[r].long()
+        r = self.request
+        links_end = self.links_end[r]
         past = (links_end > 0) & (self.first >= links_end)
         before = self.block[None, :] * self.block_size < links_end[:, None]
-        room = torch.where(past[:, None] & before, layout.link_tokens[r].long()[:, None], 0)
-        return frame + room
+        return self.frame[r] + np.where(past[:, None] & before, self.link_tokens[r][:, None], 0)
 
-    def own_turn(self, turn: torch.Tensor) -> torch.Tensor:
-        return turn.gather(1, self.segment[:, None]).squeeze(1)
+    def link_shift(self) -> np.ndarray:
+        """[runs]: the link shift of each run's queries (0 outside links)."""
+        return self.shift[self.request, self.segment]
 
-    def earlier_visible(self) -> torch.Tensor:
+    def own_turn(self, turn: np.ndarray) -> np.ndarray:
+        return turn[np.arange(turn.shape[0]), self.segment]
+
+    def earlier_visible(self) -> np.ndarray:
         """[runs, blocks]: the blocks before each run's segment that its queries see, whole
         (see span_layout): none for a span's queries (a span sees itself only), else every
         block whose logical position comes before the segment's (a link's carried head
         is HIDDEN)."""
-        r, segment = self.request, self.segment[:, None]
-        context = self.layout.context_pos[r].long()
-        outside_spans = self.layout.span_of[r].gather(1, segment) < 0
-        return ((self.block[None, :] < segment) & outside_spans
-                & (context < context.gather(1, segment)))
+        r, segment = self.request, self.segment
+        context = self.context[r]
+        outside_spans = self.span_of[r, segment] < 0
+        here = context[np.arange(r.size), segment]
+        return ((self.block[None, :] < segment[:, None]) & outside_spans[:, None]
+                & (context < here[:, None]))
 
-    def own_rows(self, same_frame: torch.Tensor, turn: torch.Tensor) -> FlashRows:
+    def own_rows(self, same_frame: np.ndarray, turn: np.ndarray) -> FlashRows:
         """One causal row per run: the earlier blocks in its own frame, then its segment
         up to its last query (every query token once, in batch order)."""
         last = (self.end - 1) // self.block_size
         own = (self.block[None, :] >= self.segment[:, None]) & (self.block[None, :] <= last[:, None])
-        taken = same_frame | own
-        width = int(taken.sum(dim=1).max())
-        blocks = torch.where(taken, self.block[None, :], self.block.numel()).sort(dim=1).values
-        key_lens = same_frame.sum(dim=1) * self.block_size + self.end - self.segment * self.block_size
-        return _rows(torch.arange(int(self.length.sum())),
-                     self.own_turn(turn).repeat_interleave(self.length),
-                     self.length, key_lens, self.request,
-                     torch.where(blocks < self.block.numel(), blocks, 0)[:, :width])
+        key_lens = same_frame.sum(axis=1) * self.block_size + self.end \
+            - self.segment * self.block_size
+        return _rows(np.arange(self.length.sum()), np.repeat(self.own_turn(turn), self.length),
+                     self.length, key_lens, self.request, _packed_table(same_frame | own))
 
-    def earlier_rows(self, other_frames: torch.Tensor, turn: torch.Tensor) -> FlashRows | None:
+    def earlier_rows(self, other_frames: np.ndarray, turn: np.ndarray) -> FlashRows | None:
         """One non-causal row per (run, frame) among the earlier visible blocks in frames
         other than the run's own, the run's queries turned back by that frame's turn."""
-        run, block = other_frames.nonzero(as_tuple=True)  # by run, then block
-        if run.numel() == 0:
+        run, block = np.nonzero(other_frames)  # by run, then block
+        if run.size == 0:
             return None
         turns = turn[run, block]
         # A row per stretch of one run's blocks in one frame (a cached span's tail): any
         # split of a run's keys into rows is exact, the merge sums them.
-        new_row = torch.ones_like(run, dtype=torch.bool)
+        new_row = np.ones(run.size, dtype=bool)
         new_row[1:] = (run[1:] != run[:-1]) | (turns[1:] != turns[:-1])
-        row_of = new_row.cumsum(0) - 1
-        heads = new_row.nonzero().squeeze(1)
-        counts = torch.diff(heads, append=torch.tensor([run.numel()]))
-        slot = torch.arange(block.numel()) - heads[row_of]
-        table = torch.zeros(heads.numel(), int(counts.max()), dtype=torch.int64)
-        table[row_of, slot] = block
-        row_run, row_turn = run[heads], turns[heads]
+        row_of = np.cumsum(new_row) - 1
+        heads = np.flatnonzero(new_row)
+        counts = np.diff(heads, append=run.size)
+        table = np.zeros((heads.size, counts.max()), dtype=np.int64)
+        table[row_of, np.arange(block.size) - heads[row_of]] = block
+        row_run = run[heads]
         lengths = self.length[row_run]
-        offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
-        return _rows(self.token[row_run].repeat_interleave(lengths) + offsets,
-                     row_turn.repeat_interleave(lengths), lengths,
-                     counts * self.block_size, self.request[row_run], table)
+        offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return _rows(np.repeat(self.token[row_run], lengths) + offsets,
+                     np.repeat(turns[heads], lengths), lengths, counts * self.block_size,
+                     self.request[row_run], table)
 
 
-def _rows(query_index: torch.Tensor, query_turn: torch.Tensor, query_lens: torch.Tensor,
-          key_lens: torch.Tensor, row_request: torch.Tensor, row_blocks: torch.Tensor
-          ) -> FlashRows:
-    cu = torch.zeros(query_lens.numel() + 1, dtype=torch.int32)
-    cu[1:] = query_lens.cumsum(0)
-    return FlashRows(query_index=query_index.long(), query_turn=query_turn.to(torch.int32),
-                     cu_seqlens_q=cu, seqused_k=key_lens.to(torch.int32),
-                     row_request=row_request.long(), row_blocks=row_blocks.long(),
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.numpy().astype(np.int64)
+
+
+def _packed_table(taken: np.ndarray) -> np.ndarray:
+    """[rows, width]: each row's taken blocks, in order, then zeros."""
+    row, block = np.nonzero(taken)
+    counts = taken.sum(axis=1)
+    table = np.zeros((taken.shape[0], counts.max()), dtype=np.int64)
+    table[row, np.arange(row.size) - np.repeat(np.cumsum(counts) - counts, counts)] = block
+    return table
+
+
+def _rows(query_index: np.ndarray, query_turn: np.ndarray, query_lens: np.ndarray,
+          key_lens: np.ndarray, row_request: np.ndarray, row_blocks: np.ndarray) -> FlashRows:
+    cu = np.zeros(query_lens.size + 1, dtype=np.int32)
+    cu[1:] = np.cumsum(query_lens)
+    return FlashRows(query_index=torch.from_numpy(query_index.astype(np.int64)),
+                     query_turn=torch.from_numpy(query_turn.astype(np.int32)),
+                     cu_seqlens_q=torch.from_numpy(cu),
+                     seqused_k=torch.from_numpy(key_lens.astype(np.int32)),
+                     row_request=torch.from_numpy(row_request.astype(np.int64)),
+                     row_blocks=torch.from_numpy(row_blocks),
                      max_seqlen_q=int(query_lens.max()), max_seqlen_k=int(key_lens.max()))

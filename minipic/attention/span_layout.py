@@ -184,7 +184,9 @@ def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_
     opened = last >= 0
     last_index = last.clamp(min=0)
     in_span = is_ssep.gather(1, last_index) & opened
-    in_link = is_link.gather(1, last_index) & opened
+    # Prompt blocks only: past a prompt that ends inside its links (a batch row is as wide as
+    # its longest request) a block is no link, and must not hide the span block it would carry.
+    in_link = is_link.gather(1, last_index) & opened & in_prompt
     span_of = torch.where(in_span, last, -1)
     carried = _carried_span_block(block, last_index, is_ssep, is_link, in_link)
     context_block = torch.where(in_link, carried, block)

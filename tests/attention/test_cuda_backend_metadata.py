@@ -65,7 +65,7 @@ def new_builder(monkeypatch, kind: str):
     built = object.__new__(ours)
     built.block_size, built.device = BLOCK, torch.device("cpu")
     built.segments, built.seq_threshold_3d = ("scratch",), 8
-    built.use_flash_rows = kind == "flash"
+    built.use_flash_rows = kind == "flash"  # __init__ would add: FA3 and the option
     return built
 
 
@@ -87,6 +87,7 @@ def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_l
     monkeypatch.setattr(fb, "current_layout", layout_of_batch)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     common = SimpleNamespace(num_reqs=len(seq_lens), query_start_loc=starts,
+                             num_actual_tokens=int(starts[-1]),
                              query_start_loc_cpu=starts,
                              block_table_tensor=torch.arange(len(seq_lens) * MAX_BLOCKS,
                                                              dtype=torch.int32
@@ -126,15 +127,15 @@ def test_a_link_batch_gets_its_tables_shifts_and_key_turns(kernel_builder, monke
 
 
 def test_flash_attention_gets_a_link_batch_as_rows(monkeypatch):
-    """The default on FlashAttention: the batch's segment plan (no kernel tables), and the
-    same Q shifts and K turns as the kernel path."""
+    """The default on FlashAttention: the batch's segment plan (no kernel tables) with the
+    link tokens' Q shifts in its turns, and the same K turns as the kernel path."""
     from minipic.attention.segment_plan import segment_plan
 
     markers = ["-S-S-LLP", "-SLP"]
     md = build(new_builder(monkeypatch, "flash"), monkeypatch, markers, [42, 3], [122, 43])
     assert md.minipic_tables is None
     expected = segment_plan(marker_layout(markers, MAX_BLOCKS, BLOCK), [0, 42, 45], [122, 43],
-                            BLOCK)
+                            BLOCK, link_shifts=True)
     plan = md.minipic_rows.plan
     for got, want in ((plan.own, expected.own), (plan.earlier, expected.earlier)):
         assert torch.equal(got.row_blocks, want.row_blocks)
@@ -143,10 +144,36 @@ def test_flash_attention_gets_a_link_batch_as_rows(monkeypatch):
     own = plan.own
     assert torch.equal(md.minipic_rows.own_table,
                        (own.row_request[:, None] * MAX_BLOCKS + own.row_blocks).int())
-    assert same_turns(md.minipic_token_shift,
-                      [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [0] * 10 + [BLOCK] * 3)
+    # link 1's queries: shift 4 blocks, in their own frame (turn 0): 64 in all
+    assert plan.own.query_turn[:16].tolist() == [4 * BLOCK] * 16
+    assert md.minipic_token_shift is None
     assert same_turns(md.minipic_key_turn,
                       [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [2 * BLOCK] * 10 + [BLOCK] * 3)
+
+
+def test_rows_follow_another_kv_cache_groups_block_table(monkeypatch):
+    markers = ["-S-S-LLP", "-SLP"]
+    builder = new_builder(monkeypatch, "flash")
+    md = build(builder, monkeypatch, markers, [42, 3], [122, 43])
+    monkeypatch.setattr(FlashAttentionMetadataBuilder, "update_block_table",
+                        lambda self, metadata, blk_table, slot_mapping: SimpleNamespace(
+                            block_table=blk_table))
+    other = torch.arange(2 * MAX_BLOCKS, dtype=torch.int32).view(2, MAX_BLOCKS) + 1000
+    new = builder.update_block_table(md, other, None)
+    own = new.minipic_rows.plan.own
+    assert torch.equal(new.minipic_rows.own_table,
+                       other[own.row_request[:, None], own.row_blocks])
+    assert not torch.equal(new.minipic_rows.own_table, md.minipic_rows.own_table)
+
+
+def test_long_task_chunks_over_many_spans_take_the_kernel(monkeypatch):
+    """Each non-causal row copies its run's queries: past MAX_EARLIER_ROW_TOKENS copies the
+    batch takes the span kernel, which reads every key once."""
+    monkeypatch.setattr(fb, "MAX_EARLIER_ROW_TOKENS", 10)
+    md = build(new_builder(monkeypatch, "flash"), monkeypatch, ["-S-S-LLP", "-SLP"], [42, 3],
+               [122, 43])
+    assert md.minipic_rows is None and md.minipic_tables is not None
+    assert md.minipic_token_shift is not None  # the kernel path turns link queries itself
 
 
 def test_mask_markers_batches_take_the_kernel_on_flash_attention(monkeypatch):
@@ -164,6 +191,7 @@ def test_mask_markers_batches_take_the_kernel_on_flash_attention(monkeypatch):
     builder = new_builder(monkeypatch, "flash")
     starts = torch.tensor([0, 20], dtype=torch.int32)
     common = SimpleNamespace(num_reqs=1, query_start_loc=starts, query_start_loc_cpu=starts,
+                             num_actual_tokens=20,
                              block_table_tensor=torch.zeros(1, MAX_BLOCKS, dtype=torch.int32),
                              seq_lens=torch.tensor([64], dtype=torch.int32), max_seq_len=64)
     md = builder.build(0, common)

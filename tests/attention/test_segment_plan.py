@@ -128,3 +128,30 @@ def test_a_span_computed_after_its_header_is_one_turned_row():
     assert plan.earlier is None
     assert plan.own.query_turn.tolist() == [16] * 32  # the span starts at 16
     assert relative_error(out, reference_attention(case)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["epic_hit_and_decode", "epic_whole_prompt",
+                                  "epic_chunk_inside_links"])
+def test_link_shifts_folded_into_the_turns(name):
+    """The backend hands the rows the model's Q: a link token's Q, at its index, is turned
+    to its logical position in the same rotation as into its row's frame."""
+    from minipic.attention.rotation import Rotation
+    from minipic.attention.span_layout import token_shifts
+
+    case = build(name)
+    shifts = token_shifts(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
+    assert shifts is not None and shifts.any()
+    model_q = Rotation.at(shifts, case.cos_sin, case.rotary_dim, case.is_neox,
+                          pure=True).apply(case.q).to(case.q.dtype)  # before the turn-back
+    plan = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16,
+                        link_shifts=True)
+    out = torch.empty_like(case.q)
+    segment_attention(model_q, case.k_cache, case.v_cache, out, ready(case, plan),
+                      functools.partial(paged_flash_reference, scale=case.scale))
+    assert relative_error(out, reference_attention(case)) < 1e-5
+    without = torch.empty_like(case.q)
+    # without the shifts in the turns the same queries give other answers
+    plain = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
+    segment_attention(model_q, case.k_cache, case.v_cache, without, ready(case, plain),
+                      functools.partial(paged_flash_reference, scale=case.scale))
+    assert relative_error(without, reference_attention(case)) > 1e-3

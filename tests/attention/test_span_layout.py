@@ -82,6 +82,21 @@ def test_without_links_nothing_moves_and_only_prompt_links_count():
     assert ends_in_link.links_end.tolist() == [80] and ends_in_link.link_tokens.tolist() == [32]
 
 
+def test_a_prompt_ending_in_links_batched_with_a_longer_one_keeps_its_layout():
+    """The batch's rows are as wide as its longest request. Past a prompt that ends
+    inside its links, blocks are no links: they used to carry span blocks and hide them
+    (here the second span's tail and the second link itself), so the prompt's link KV
+    depended on what it was batched with, and was cached under its link hashes."""
+    ends_in_links = [1, 3, 9, 3, 9, 6, 6]  # header, span, span (2 blocks), link, link
+    alone = span_layout(torch.tensor([ends_in_links]), P, 16, prompt_lens=torch.tensor([109]))
+    longer = [1] * 11  # a plain request of 176 tokens
+    batch = span_layout(torch.tensor([ends_in_links + [9] * 4, longer]), P, 16,
+                        prompt_lens=torch.tensor([109, 176]))
+    for name in ("span_of", "context_pos", "shift", "frame_offset"):
+        assert getattr(batch, name)[0, :7].tolist() == getattr(alone, name)[0].tolist(), name
+    assert batch.links_end.tolist()[0] == alone.links_end.tolist()[0]
+
+
 def test_link_queries_see_what_precedes_them_logically():
     # block size 2: header (0-1), span 1 (2-5), span 2 (6-7), link 1 (8-9), task (10)
     found = layout([1, 3, 9, 3, 6, 4], block_size=2)

@@ -381,6 +381,7 @@ def _run_backend_mask_markers() -> float | str:
         builder.block_size, builder.device = bs, torch.device("cpu")
         builder.segments = tk.segment_buffers(64, 4, dim, "cpu")
         builder.seq_threshold_3d = 8
+        builder.use_flash_rows = True  # FlashAttention's default: quiet keys take the kernel
         fb.current_layout = lambda num_reqs, block_size, max_seq_len: layout
         return builder.build(0, SimpleNamespace(num_reqs=len(markers), query_start_loc=starts,
                                                 query_start_loc_cpu=starts,

@@ -47,7 +47,7 @@ def fa3(q, key_cache, value_cache, rows, block_table, causal, scale, out=None):
 
 def run_rows(case):
     plan = segment_plan(case.layout.to("cpu"), case.cu_seqlens_q.tolist(),
-                        case.seq_lens.tolist(), case.block_size).to("cuda")
+                        case.seq_lens.tolist(), case.block_size)
     batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
     out = torch.full_like(case.q, float("nan"))
     segment_attention(case.q, case.k_cache, case.v_cache, out, batch,
