@@ -123,8 +123,26 @@ def _child(run: str, model_dir: str, out_path: str) -> None:
             "cached_tokens": o.num_cached_tokens,
         } for o in outs]
     if "additional_config" in RUNS[run]:
+        calls = _count_span_paths()
         result["spans"] = _span_answers(llm, first, again)
+        result["span_paths"] = dict(calls)
     Path(out_path).write_text(json.dumps(result))
+
+
+def _count_span_paths() -> dict:
+    """Count the layer calls of each span path (the engine runs in this process)."""
+    from minipic.attention import cuda_backend
+
+    calls = {"rows": 0, "kernel": 0}
+    for name, path in (("segment_attention", "rows"), ("unified_attention_rope", "kernel")):
+        original = getattr(cuda_backend, name)
+
+        def counted(*args, _original=original, _path=path, **kwargs):
+            calls[_path] += 1
+            return _original(*args, **kwargs)
+
+        setattr(cuda_backend, name, counted)
+    return calls
 
 
 def _span_answers(llm, with_prompt_logprobs, without) -> dict:
@@ -274,6 +292,10 @@ def test_span_prompts_on_flash_rows_match_the_span_kernel(runs, run):
     backends on plain prompts."""
     _need(runs, run, "on_spans_triton", "off_eager", "off_triton")
     noise = _compare(runs["off_eager"], runs["off_triton"])
+    assert runs[run]["span_paths"]["rows"] > 0 and runs[run]["span_paths"]["kernel"] == 0
+    assert runs["on_spans_triton"]["span_paths"] == {
+        "rows": 0, "kernel": runs["on_spans_triton"]["span_paths"]["kernel"]}
+    assert runs["on_spans_triton"]["span_paths"]["kernel"] > 0
     flash, kernel = runs[run]["spans"], runs["on_spans_triton"]["spans"]
     for answers in (flash["cached"], kernel["cached"]):
         assert [a["cached_tokens"] for a in answers] == [a["expected_cached"] for a in answers]
