@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from minipic.attention import triton_kernel as tk
-from minipic.attention.segment_attention import prepare, segment_attention
+from minipic.attention.segment_attention import prepare, segment_attention, vllm_flash_rows
 from minipic.attention.segment_plan import segment_plan
 from minipic.devtools.paged_attention_case import epic_markers, marker_layout, relative_error, rope_table
 
@@ -76,16 +76,6 @@ class Batch:
         return prepare(plan, self.table, self.cos_sin, HEAD, True)
 
 
-def fa3_rows(q, key_cache, value_cache, rows, block_table, causal, scale, out=None):
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    return flash_attn_varlen_func(
-        q=q, k=key_cache, v=value_cache, cu_seqlens_q=rows.cu_seqlens_q,
-        max_seqlen_q=rows.max_seqlen_q, seqused_k=rows.seqused_k,
-        max_seqlen_k=rows.max_seqlen_k, softmax_scale=scale, causal=causal,
-        block_table=block_table, return_softmax_lse=True, fa_version=3, out=out)
-
-
 def launchers(b: Batch, out: torch.Tensor) -> dict:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
@@ -99,7 +89,8 @@ def launchers(b: Batch, out: torch.Tensor) -> dict:
                                out=out, fa_version=3)
 
     def flash_rows():
-        segment_attention(b.q, b.k, b.v, out, batch, functools.partial(fa3_rows, scale=b.scale))
+        segment_attention(b.q, b.k, b.v, out, batch,
+                          functools.partial(vllm_flash_rows, scale=b.scale, fa_version=3))
 
     def triton():
         tk.unified_attention_rope(

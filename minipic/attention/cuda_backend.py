@@ -52,7 +52,8 @@ from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAtte
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.segment_attention import prepare, segment_attention, with_block_table
+from minipic.attention.segment_attention import (prepare, segment_attention, vllm_flash_rows,
+                                                 with_block_table)
 from minipic.attention.segment_plan import segment_plan
 from minipic.attention.span_layout import current_layout, key_turn_backs, token_shifts
 from minipic.attention.triton_kernel import (
@@ -282,14 +283,9 @@ class MiniPICFlashImpl(SpanBatchImpl, FlashAttentionImpl):
                        rows, block_table: torch.Tensor, causal: bool,
                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One segment_plan.FlashRows call of vLLM's own FlashAttention (FA3 on Hopper)."""
-        from vllm.v1.attention.backends.flash_attn import flash_attn_varlen_func
-
-        return flash_attn_varlen_func(
-            q=q, k=key_cache, v=value_cache, cu_seqlens_q=rows.cu_seqlens_q,
-            max_seqlen_q=rows.max_seqlen_q, seqused_k=rows.seqused_k,
-            max_seqlen_k=rows.max_seqlen_k, softmax_scale=self.scale, causal=causal,
-            block_table=block_table, return_softmax_lse=True,
-            fa_version=self.vllm_flash_attn_version, out=out)
+        return vllm_flash_rows(q, key_cache, value_cache, rows, block_table, causal,
+                               scale=self.scale, fa_version=self.vllm_flash_attn_version,
+                               out=out)
 
 
 class MiniPICFlashBackend(SpanBackend, FlashAttentionBackend):

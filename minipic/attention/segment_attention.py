@@ -114,6 +114,21 @@ def merge(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
     return output
 
 
+def vllm_flash_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    rows: FlashRows, block_table: torch.Tensor, causal: bool, *, scale: float,
+                    fa_version: int, out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One FlashRows call of vLLM's own FlashAttention (CUDA): the `flash` of
+    segment_attention, with the scale and version bound by the caller."""
+    from vllm.v1.attention.backends.flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q=q, k=key_cache, v=value_cache, cu_seqlens_q=rows.cu_seqlens_q,
+        max_seqlen_q=rows.max_seqlen_q, seqused_k=rows.seqused_k,
+        max_seqlen_k=rows.max_seqlen_k, softmax_scale=scale, causal=causal,
+        block_table=block_table, return_softmax_lse=True, fa_version=fa_version, out=out)
+
+
 def _row_table(block_table: torch.Tensor, rows: FlashRows) -> torch.Tensor:
     """[rows, width] physical blocks of each row (its request's, in the row's order)."""
     return block_table[rows.row_request[:, None], rows.row_blocks].to(torch.int32)

@@ -114,14 +114,7 @@ def _child(run: str, model_dir: str, out_path: str) -> None:
     again = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, detokenize=False)
     result = {"impl": impl}
     for label, params in (("first", first), ("cached", again)):
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        result[label] = [{
-            "prompt_lp": [None if lp is None else lp[tok].logprob
-                          for tok, lp in zip(o.prompt_token_ids, o.prompt_logprobs or [])],
-            "tokens": list(o.outputs[0].token_ids),
-            "lp": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
-            "cached_tokens": o.num_cached_tokens,
-        } for o in outs]
+        result[label] = [_answer(o) for o in llm.generate(prompts, params, use_tqdm=False)]
     if "additional_config" in RUNS[run]:
         calls = _count_span_paths()
         result["spans"] = _span_answers(llm, first, again)
@@ -160,14 +153,20 @@ def _span_answers(llm, with_prompt_logprobs, without) -> dict:
     answers = {}
     for label, params in (("cached", without), ("first", with_prompt_logprobs)):
         outs = llm.generate(finals, params, use_tqdm=False)
-        answers[label] = [{
-            "prompt_lp": [None if lp is None else lp[tok].logprob
-                          for tok, lp in zip(o.prompt_token_ids, o.prompt_logprobs or [])],
-            "tokens": list(o.outputs[0].token_ids),
-            "lp": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
-            "cached_tokens": o.num_cached_tokens, "expected_cached": p.expected_cached_tokens,
-        } for o, p in zip(outs, prompts)]
+        answers[label] = [dict(_answer(o), expected_cached=p.expected_cached_tokens)
+                          for o, p in zip(outs, prompts)]
     return answers
+
+
+def _answer(o) -> dict:
+    """One request's teacher-forced prompt logprobs, greedy tokens and their logprobs."""
+    return {
+        "prompt_lp": [None if lp is None else lp[tok].logprob
+                      for tok, lp in zip(o.prompt_token_ids, o.prompt_logprobs or [])],
+        "tokens": list(o.outputs[0].token_ids),
+        "lp": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+        "cached_tokens": o.num_cached_tokens,
+    }
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minipic.attention import triton_kernel as tk
-from minipic.attention.segment_attention import prepare, segment_attention
+from minipic.attention.segment_attention import prepare, segment_attention, vllm_flash_rows
 from minipic.attention.segment_plan import segment_plan
 from minipic.devtools.paged_attention_case import (epic_markers, make_case, random_segments,
                                                    reference_attention, relative_error)
@@ -35,23 +35,13 @@ BATCHES = {
 }
 
 
-def fa3(q, key_cache, value_cache, rows, block_table, causal, scale, out=None):
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    return flash_attn_varlen_func(
-        q=q, k=key_cache, v=value_cache, cu_seqlens_q=rows.cu_seqlens_q,
-        max_seqlen_q=rows.max_seqlen_q, seqused_k=rows.seqused_k,
-        max_seqlen_k=rows.max_seqlen_k, softmax_scale=scale, causal=causal,
-        block_table=block_table, return_softmax_lse=True, fa_version=3, out=out)
-
-
 def run_rows(case):
     plan = segment_plan(case.layout.to("cpu"), case.cu_seqlens_q.tolist(),
                         case.seq_lens.tolist(), case.block_size)
     batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
     out = torch.full_like(case.q, float("nan"))
     segment_attention(case.q, case.k_cache, case.v_cache, out, batch,
-                      functools.partial(fa3, scale=case.scale))
+                      functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3))
     torch.cuda.synchronize()
     return out
 

@@ -8,7 +8,7 @@ one (measured on the CPU machine: 1.2-3.8 GiB/s vs 7.4-11.6 GiB/s, 2 MiB
 blocks). A disk load after a restart writes into pages nobody in this process
 touched yet, so without this step every restart paid the faults on its first
 loads. One madvise call at start-up maps them all (about 0.2 s per GiB there).
-On the H200 host, loads were no faster with it (docs/connector.md, run 4):
+On the H200 host, loads were no faster with it (measured 2026-11-30, commit 07a1689):
 another limit dominates there; the step stays because it removes this one.
 """
 
