@@ -11,8 +11,9 @@ same paged cache in one of two ways:
     (segment_plan.py, segment_attention.py);
   * minipic's Triton kernel (`triton_kernel.unified_attention_rope`), which turns keys
     forward by their frame offsets per tile and applies the span and EPIC link rules:
-    for batches with mask_markers (it hides single marker and padding keys), for fp32
-    models, and with the option span_attention="triton".
+    for batches with mask_markers (it hides single marker and padding keys), for rows
+    that would copy over MAX_EARLIER_ROW_TOKENS queries, on FA2 and for fp32 models, and
+    with the option span_attention="triton".
 Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
     models: what stock vLLM picks there;
