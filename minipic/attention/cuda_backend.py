@@ -140,10 +140,6 @@ class SpanBatchBuilder:
         kernel reads each key once instead)."""
         plan = segment_plan(layout.to("cpu"), query_start_loc, seq_lens, self.block_size,
                             link_shifts=True)
-        if plan.own.query_index.numel() != m.num_actual_tokens:
-            raise UnsupportedAttentionError(  # host lengths must be exact (no async spec decode)
-                f"span batch of {m.num_actual_tokens} tokens planned as "
-                f"{plan.own.query_index.numel()}: minipic needs exact host sequence lengths")
         if plan.earlier is not None and plan.earlier.query_index.numel() > MAX_EARLIER_ROW_TOKENS:
             return None
         rope = current_rope()

@@ -206,3 +206,29 @@ def test_rag_client_refuses_a_manifest_made_for_other_markers(tokenizer, tmp_pat
                                     SpanProtocol(7, 8, 9)), made.records)
     with pytest.raises(ManifestError, match="differs from the engine's"):
         RagClient(backend, manifest=foreign)
+
+
+def test_rag_client_recipes_are_the_servers(tokenizer):
+    """One name, one meaning: RagClient takes the server's recipe names (epic64 the
+    default, epic one block, epic2 two), an amount overrides an EPIC recipe's, and what
+    cannot hold together is refused."""
+    from minipic.client.prompts.recipes import RECIPES_BY_NAME
+    from minipic.client.prompts.span_prompt import SpanPromptError
+
+    backend = FakeBackend(tokenizer=tokenizer, delay_s=0)
+    docs, question = ["the nile is a river . " * 8], "what is the nile ?"
+    for name in RECIPES_BY_NAME:
+        client = RagClient(backend, recipe=name)
+        spans = client.spans(docs[0])
+        expected = RECIPES_BY_NAME[name](spans, question, system=None, protocol=client.protocol,
+                                         block_size=client.block_size, tokenizer=client.tokenizer)
+        assert client.prompt(question, docs) == expected
+    assert RagClient(backend).recipe == "epic64"
+    two = RagClient(backend, recompute_blocks=2).prompt(question, docs)
+    assert two == RagClient(backend, recipe="epic2").prompt(question, docs)
+    with pytest.raises(SpanPromptError, match="not both"):
+        RagClient(backend, recompute_blocks=2, recompute_tokens=64)
+    with pytest.raises(SpanPromptError, match="block_attention recomputes nothing"):
+        RagClient(backend, recipe="block_attention", recompute_blocks=1)
+    with pytest.raises(SpanPromptError, match="recipe must be one of"):
+        RagClient(backend, recipe="epic3")

@@ -183,6 +183,18 @@ def test_epic_recomputes_tokens_in_whole_blocks(tokenizer, protocol, block_size,
         epic(DOCS, TASK, recompute_blocks=blocks, **kwargs)
 
 
+def test_recompute_blocks_and_tokens_together_are_refused(tokenizer, protocol):
+    """Which would win? Neither: the call says to pick one (also through epic64)."""
+    from minipic.client.prompts.recipes import RECIPES_BY_NAME
+
+    kwargs = dict(protocol=protocol, block_size=B, tokenizer=tokenizer)
+    with pytest.raises(SpanPromptError, match="not both"):
+        epic(DOCS, TASK, recompute_blocks=1, recompute_tokens=8, **kwargs)
+    with pytest.raises(SpanPromptError, match="not both"):
+        RECIPES_BY_NAME["epic64"](DOCS, TASK, recompute_blocks=1, **kwargs)
+    assert epic(DOCS, TASK, **kwargs) == epic(DOCS, TASK, recompute_blocks=1, **kwargs)
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_recompute_tokens_must_be_a_count(tokenizer, protocol, bad):
     with pytest.raises(SpanPromptError, match="recompute_tokens must be an int >= 0"):

@@ -103,7 +103,8 @@ def test_vllm_without_the_hook_points_logs_and_loads(monkeypatch, caplog, missin
 
 
 def test_every_server_recipe_has_its_builder():
-    """epic2: each document's first two blocks recomputed in context."""
+    """epic2: each document's first two blocks recomputed in context; epic64 its first 64
+    tokens, whatever the block size."""
     from minipic.config import SERVER_RECIPES
     from minipic.client.prompts.recipes import RECIPES_BY_NAME as RECIPE_BUILDERS
 
@@ -117,3 +118,9 @@ def test_every_server_recipe_has_its_builder():
     assert prompt.final != build_span_prompt(header, header + task, [long_doc],
                                              tokenizer=WordTokenizer(), protocol=PROTOCOL,
                                              block_size=4, recipe="epic").final
+    # epic64 counts tokens: at 4-token blocks 16 blocks, so the whole 3-block document
+    default = build_span_prompt(header, header + task, [long_doc], tokenizer=WordTokenizer(),
+                                protocol=PROTOCOL, block_size=4, recipe="epic64")
+    assert default.final == epic([[101] * 9], task, system=header, protocol=PROTOCOL,
+                                 block_size=4, recompute_blocks=3).final
+    assert default.final != prompt.final

@@ -17,7 +17,7 @@ import pytest
 from conftest import BLOCK_SIZE, api_server
 
 from minipic.client import block_attention
-from minipic.client.prompts.recipes import RECIPES_BY_NAME
+from minipic.client.prompts.recipes import RECIPES_BY_NAME, blocks_for_tokens
 from minipic.protocol import SpanProtocol
 
 pytestmark = pytest.mark.engine
@@ -116,10 +116,10 @@ def test_answer_equals_the_client_built_span_prompt(client, tokenizer):
                                      temperature=0)
     assert answer.choices[0].message.content == same.choices[0].text
     # Same header and documents in the same order as the call before: the link blocks
-    # (two per document, or the whole span when shorter; hashed over everything before
-    # them) hit as well.
+    # (64 tokens per document in whole blocks, or the whole span when shorter; hashed over
+    # everything before them) hit as well.
     spans = prompt.span_prefills[1:]  # after the header
-    links = sum(min(2 * BLOCK_SIZE, len(span)) for span in spans)
+    links = sum(min(blocks_for_tokens(64, BLOCK_SIZE) * BLOCK_SIZE, len(span)) for span in spans)
     assert links == 4 * BLOCK_SIZE
     assert cached(answer) == prompt.expected_cached_tokens + links
 

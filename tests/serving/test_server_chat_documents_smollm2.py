@@ -59,7 +59,7 @@ def test_second_call_with_reordered_documents_reuses_them(client, smollm2_model)
               for d in DOCS[::-1]]
     expected = epic(bodies, tokenizer.encode(whole, add_special_tokens=False)[len(header_ids):],
                     system=header_ids, protocol=SpanProtocol.from_dict(smollm2_protocol()),
-                    block_size=BLOCK_SIZE, recompute_blocks=2)  # the server's default
+                    block_size=BLOCK_SIZE, recompute_tokens=64)  # the server's default
     assert second.model_extra["prompt_token_ids"] == expected.final
     documents_tokens = sum(map(len, bodies))
     assert second.usage.prompt_tokens_details.cached_tokens == expected.expected_cached_tokens

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from minipic.config import DEFAULT_SERVER_RECIPE
 from minipic.protocol import SpanProtocol
 from minipic.serving.settings_route import SETTINGS_PATH  # the server's route, one spelling
 
@@ -35,7 +36,7 @@ class ServerSettings:
     def from_json(cls, data: dict[str, Any]) -> "ServerSettings":
         return cls(block_size=int(data["block_size"]),
                    protocol=SpanProtocol.from_dict(data["span_protocol"]),
-                   max_model_len=data.get("max_model_len"), recipe=data.get("recipe", "epic"))
+                   max_model_len=data.get("max_model_len"), recipe=data.get("recipe", DEFAULT_SERVER_RECIPE))
 
     def check_overrides(self, block_size: int | None, protocol: SpanProtocol | None) -> None:
         if block_size is not None and block_size != self.block_size:

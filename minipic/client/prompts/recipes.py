@@ -77,6 +77,18 @@ def epic_link(span: Sequence[int], recompute_blocks: int, protocol: SpanProtocol
     return [protocol.link_token_id, *head[1:]] if head else []
 
 
+def recomputed_blocks(recompute_blocks: Any, recompute_tokens: Any, block_size: int) -> int:
+    """The link blocks per document EPIC recomputes: `recompute_blocks`, or the blocks
+    that hold `recompute_tokens`, or 1; giving both is refused (which would win?)."""
+    if recompute_blocks is not None and recompute_tokens is not None:
+        raise SpanPromptError(
+            f"give recompute_blocks ({recompute_blocks!r}) or recompute_tokens "
+            f"({recompute_tokens!r}), not both")
+    if recompute_tokens is not None:
+        return blocks_for_tokens(recompute_tokens, block_size)
+    return 1 if recompute_blocks is None else recompute_blocks
+
+
 def blocks_for_tokens(recompute_tokens: Any, block_size: int) -> int:
     """The whole blocks that hold at least `recompute_tokens` tokens."""
     if isinstance(recompute_tokens, bool) or not isinstance(recompute_tokens, int) \
@@ -92,8 +104,9 @@ def _check_recompute_blocks(recompute_blocks: Any) -> None:
 
 
 def epic(docs: Sequence[TextOrTokens], task: TextOrTokens, *, protocol: SpanProtocol,
-         block_size: int, recompute_blocks: int = 1, system: TextOrTokens | None = None,
-         tokenizer: Any = None, recompute_tokens: int | None = None) -> SpanPrompt:
+         block_size: int, recompute_blocks: int | None = None,
+         system: TextOrTokens | None = None, tokenizer: Any = None,
+         recompute_tokens: int | None = None) -> SpanPrompt:
     """[BOS + system + pad] [SSep d0 pad] ... [SSep dN pad] [link d0] ... [link dN] [PDep task].
 
     EPIC (LegoLink) for models not fine-tuned for block attention: every document
@@ -103,12 +116,11 @@ def epic(docs: Sequence[TextOrTokens], task: TextOrTokens, *, protocol: SpanProt
     links sit after all spans, so the whole header-and-spans prefix is one
     contiguous vLLM hit; only links and task are computed.
     `recompute_tokens` (instead of blocks): at least that many tokens of each document,
-    in whole blocks, so a recipe keeps its accuracy at every block size.
+    in whole blocks, so a recipe keeps its accuracy at every block size. Neither given:
+    one block (EPIC's own choice); both: refused.
     """
     block_size = check_block_size(block_size)
-    if recompute_tokens is not None:
-        recompute_blocks = blocks_for_tokens(recompute_tokens, block_size)
-    block_size = check_block_size(block_size)
+    recompute_blocks = recomputed_blocks(recompute_blocks, recompute_tokens, block_size)
     _check_recompute_blocks(recompute_blocks)
     spans = [span_from(doc, protocol, block_size, tokenizer, f"document {i}")
              for i, doc in enumerate(_check_docs(docs))]

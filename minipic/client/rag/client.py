@@ -9,10 +9,10 @@
 Documents are given as text (cut into spans exactly as `minipic-preload`
 cuts them, so preloaded text hits) or as `DocRef`s to a preload manifest
 (its stored token ids, no re-tokenizing). The final prompt is, with the default
-recipe "epic" (right answers from models not fine-tuned for block attention; the
-first `recompute_tokens`=64 tokens of each document recomputed in context, in whole
-blocks, as 32 were not enough on a small model, docs/accuracy.md; or
-`recompute_blocks` blocks when given),
+recipe "epic64" (EPIC: right answers from models not fine-tuned for block attention; the
+first 64 tokens of each document recomputed in context, in whole blocks, as 32 were not
+enough on a small model, docs/accuracy.md; `recompute_tokens=` or `recompute_blocks=`
+for another amount; the recipe names are the server's, "epic" one block, "epic2" two),
 [BOS system pad][SSep span pad]...[link span head]...[PDep question], and with
 recipe="block_attention" (models fine-tuned for it) the same without the links.
 Both reuse the same preloaded spans. `ask` first prefills the
@@ -33,7 +33,8 @@ from minipic.client.prompts.document_spans import DEFAULT_SPAN_TOKENS, document_
 from minipic.client.rag.isps import InterleavedScheduler
 from minipic.client.preload.manifest import Manifest, ManifestError
 from minipic.client.rag.request import RagRequest, RagResult
-from minipic.client.prompts.recipes import ACCURATE_RECOMPUTE_TOKENS, block_attention, epic
+from minipic.client.prompts.recipes import RECIPES_BY_NAME, epic
+from minipic.config import DEFAULT_SERVER_RECIPE
 from minipic.client.prompts.span_prompt import SpanPrompt, SpanPromptError
 from minipic.protocol import SpanProtocol
 
@@ -48,7 +49,9 @@ class DocRef:
 
 
 Doc = Union[str, DocRef, Sequence[int]]  # text, a manifest id, or token ids
-RECIPES = ("epic", "block_attention")
+# The server's recipe names (client.prompts.recipes.RECIPES_BY_NAME), meaning the same here.
+RECIPES = tuple(RECIPES_BY_NAME)
+DEFAULT_RECIPE = DEFAULT_SERVER_RECIPE
 
 
 class RagClient:
@@ -56,13 +59,18 @@ class RagClient:
                  manifest: Manifest | None = None, block_size: int | None = None,
                  span_tokens: int | None = None, tokenizer: Any = None,
                  protocol: SpanProtocol | None = None, max_tokens: int = 64,
-                 temperature: float = 0.0, max_in_flight: int = 16, recipe: str = "epic",
-                 recompute_tokens: int = ACCURATE_RECOMPUTE_TOKENS,
+                 temperature: float = 0.0, max_in_flight: int = 16,
+                 recipe: str = DEFAULT_RECIPE, recompute_tokens: int | None = None,
                  recompute_blocks: int | None = None):
         if recipe not in RECIPES:
             raise SpanPromptError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-        self.recipe = recipe
-        self.recompute_tokens, self.recompute_blocks = recompute_tokens, recompute_blocks
+        overrides = {k: v for k, v in (("recompute_tokens", recompute_tokens),
+                                       ("recompute_blocks", recompute_blocks)) if v is not None}
+        if overrides and recipe == "block_attention":
+            raise SpanPromptError(f"{', '.join(overrides)}: block_attention recomputes nothing")
+        if len(overrides) > 1:
+            raise SpanPromptError("give recompute_blocks or recompute_tokens, not both")
+        self.recipe, self.overrides = recipe, overrides
         self.backend = backend
         self.system = system
         self.manifest = manifest
@@ -100,11 +108,9 @@ class RagClient:
         spans = [s for i, doc in enumerate(docs) for s in self.spans(doc, f"document {i}")]
         common = dict(system=self.system, protocol=self.protocol, block_size=self.block_size,
                       tokenizer=self.tokenizer)
-        if self.recipe == "block_attention":
-            return block_attention(spans, question, **common)
-        if self.recompute_blocks is not None:
-            return epic(spans, question, recompute_blocks=self.recompute_blocks, **common)
-        return epic(spans, question, recompute_tokens=self.recompute_tokens, **common)
+        if self.overrides:  # an EPIC recipe with another recompute amount
+            return epic(spans, question, **self.overrides, **common)
+        return RECIPES_BY_NAME[self.recipe](spans, question, **common)
 
     def request(self, question: str | Sequence[int], docs: Sequence[Doc], *,
                 max_tokens: int | None = None, metadata: Any = None) -> RagRequest:
