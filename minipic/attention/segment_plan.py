@@ -16,7 +16,7 @@ span, frame and link shift) needs:
 The rows' results are merged by their log-sum-exp (`segment_attention.merge`), as
 vLLM's cascade attention merges a shared prefix with the rest.
 
-Built on the host, once per batch, in a fixed number of tensor operations whatever
+Built on the host, once per batch, in a fixed number of array operations whatever
 the batch size (a decode step may hold a thousand requests), for batches whose layout
 is not plain and has no quiet keys (mask_markers hides single keys, which whole-block
 rows cannot express).

@@ -193,11 +193,11 @@ def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_
     hidden = torch.zeros(num_reqs, num_blocks + 1, dtype=torch.bool, device=firsts.device)
     hidden.scatter_(1, torch.where(in_link, carried, num_blocks), True)
     context_pos = torch.where(hidden[:, :num_blocks], HIDDEN, context_block * block_size)
-    # Prompt blocks only: a prompt may end inside its links (then no query is past them).
-    # The front end allows one run of links (protocol.check_links), so this is its length.
-    prompt_link = in_link & in_prompt
-    links_end = (torch.where(prompt_link, block + 1, 0).amax(dim=1) * block_size).to(torch.int32)
-    link_tokens = (prompt_link.sum(dim=1) * block_size).to(torch.int32)
+    # in_link holds prompt blocks only: a prompt may end inside its links (then no query is
+    # past them). The front end allows one run of links (protocol.check_links), so this is
+    # its length.
+    links_end = (torch.where(in_link, block + 1, 0).amax(dim=1) * block_size).to(torch.int32)
+    link_tokens = (in_link.sum(dim=1) * block_size).to(torch.int32)
     past_links = (block * block_size >= links_end[:, None]) & (links_end[:, None] > 0)
     frame_offset = torch.where(in_span, span_of * block_size,
                                torch.where(past_links, link_tokens[:, None], 0))
