@@ -15,7 +15,8 @@ Variants, all on the same cache and queries:
                   host and making it ready on the device, once per batch for all layers);
   triton          minipic's Triton span kernel (span_attention="triton").
 Times: median of CUDA-event timed launches after warm-up (eager: the rows are not
-captured). Writes results.json and results.md under --out.
+captured); `*_host_us`: the host's time to launch one call (what a host-bound step pays
+per layer). Writes results.json and results.md under --out.
 
     tools/gpu_run.sh python3 tools/bench_span_attention.py --out $OUT/span_attention
 """
@@ -118,6 +119,19 @@ def time_ms(fn, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_us(fn, repeats: int = 50) -> float:
+    """Host time of one call: launches only, timed from an idle GPU, never waiting for it
+    (repeats x launches stay far below the launch queue's depth)."""
+    fn()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    elapsed = time.perf_counter() - began
+    torch.cuda.synchronize()
+    return elapsed / repeats * 1e6
+
+
 def plan_ms(b: Batch, repeats: int = 20) -> float:
     b.plan()
     began = time.perf_counter()
@@ -134,6 +148,7 @@ def measure(name: str) -> dict:
     for variant, fn in launchers(b, out := torch.empty_like(b.q)).items():
         row[f"{variant}_ms"] = round(time_ms(fn), 4)
         outs[variant] = out.clone()
+        row[f"{variant}_host_us"] = round(host_us(fn), 1)
     row["plan_ms"] = round(plan_ms(b), 3)
     row["flash_rows_vs_triton_error"] = relative_error(outs["flash_rows"], outs["triton"])
     row["flash_rows_vs_fa3"] = round(row["flash_rows_ms"] / row["fa3_ms"], 3)

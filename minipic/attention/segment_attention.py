@@ -27,11 +27,12 @@ Flash = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 class SegmentBatch:
     """A plan made ready on the device once per batch, for every layer: the rows' physical
     block tables, and one rotation for all turned row queries (the own rows' first when
-    any own turn is not 0, then the earlier rows')."""
+    any own turn is not 0 or the plan is joint, then the earlier rows')."""
 
     plan: SegmentPlan
     own_table: torch.Tensor
     earlier_table: torch.Tensor | None
+    joint_table: torch.Tensor | None
     turn_index: torch.Tensor | None  # which query token each turned row query is
     turn: Rotation | None
     own_turned: bool
@@ -42,7 +43,8 @@ class SegmentBatch:
 def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Tensor,
             rotary_dim: int, is_neox_style: bool) -> SegmentBatch:
     """`host_plan` moved to the block table's device, its tables and turns looked up."""
-    own_turned = bool(host_plan.own.query_turn.any())  # on the host: no device sync
+    # on the host: no device sync. A joint call reads its queries from the turned rows only.
+    own_turned = host_plan.joint is not None or bool(host_plan.own.query_turn.any())
     plan = host_plan.to(block_table.device)
     own, earlier = plan.own, plan.earlier
     parts = ([own] if own_turned else []) + ([earlier] if earlier is not None else [])
@@ -51,18 +53,16 @@ def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Te
         turn_index = torch.cat([rows.query_index for rows in parts])
         turn = Rotation.back(torch.cat([rows.query_turn for rows in parts]), cos_sin,
                              rotary_dim, is_neox_style)
-    return SegmentBatch(plan, _row_table(block_table, own),
-                        None if earlier is None else _row_table(block_table, earlier),
-                        turn_index, turn, own_turned, rotary_dim, is_neox_style)
+    return SegmentBatch(plan, *_row_tables(plan, block_table), turn_index, turn, own_turned,
+                        rotary_dim, is_neox_style)
 
 
 def with_block_table(batch: SegmentBatch, block_table: torch.Tensor) -> SegmentBatch:
     """The same batch over another KV cache group's block table (vLLM's
     update_block_table reuses one group's metadata for another)."""
-    earlier = batch.plan.earlier
-    return dataclasses.replace(
-        batch, own_table=_row_table(block_table, batch.plan.own),
-        earlier_table=None if earlier is None else _row_table(block_table, earlier))
+    own_table, earlier_table, joint_table = _row_tables(batch.plan, block_table)
+    return dataclasses.replace(batch, own_table=own_table, earlier_table=earlier_table,
+                               joint_table=joint_table)
 
 
 def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -74,11 +74,17 @@ def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     if plan.earlier is None:  # the own rows are the whole answer
         flash(own_q, key_cache, value_cache, plan.own, batch.own_table, causal=True, out=output)
         return output
-    own_out, own_lse = flash(own_q, key_cache, value_cache, plan.own, batch.own_table,
-                             causal=True)
-    earlier_q = turned[n:] if batch.own_turned else turned
-    earlier_out, earlier_lse = flash(earlier_q, key_cache, value_cache, plan.earlier,
-                                     batch.earlier_table, causal=False)
+    if plan.joint is not None:  # one query per run: both kinds of rows in one call
+        joint_out, joint_lse = flash(turned, key_cache, value_cache, plan.joint,
+                                     batch.joint_table, causal=False)
+        own_out, own_lse = joint_out[:n], joint_lse[:, :n]
+        earlier_out, earlier_lse = joint_out[n:], joint_lse[:, n:]
+    else:
+        own_out, own_lse = flash(own_q, key_cache, value_cache, plan.own, batch.own_table,
+                                 causal=True)
+        earlier_q = turned[n:] if batch.own_turned else turned
+        earlier_out, earlier_lse = flash(earlier_q, key_cache, value_cache, plan.earlier,
+                                         batch.earlier_table, causal=False)
     if output.is_cuda:
         from minipic.attention.segment_kernels import merge_rows
 
@@ -127,6 +133,12 @@ def vllm_flash_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         max_seqlen_q=rows.max_seqlen_q, seqused_k=rows.seqused_k,
         max_seqlen_k=rows.max_seqlen_k, softmax_scale=scale, causal=causal,
         block_table=block_table, return_softmax_lse=True, fa_version=fa_version, out=out)
+
+
+def _row_tables(plan: SegmentPlan, block_table: torch.Tensor) -> tuple:
+    """The physical tables of the plan's own, earlier and joint rows (None where absent)."""
+    return tuple(None if rows is None else _row_table(block_table, rows)
+                 for rows in (plan.own, plan.earlier, plan.joint))
 
 
 def _row_table(block_table: torch.Tensor, rows: FlashRows) -> torch.Tensor:

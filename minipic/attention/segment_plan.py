@@ -65,6 +65,9 @@ class SegmentPlan:
     # merge_entries[merge_starts[t]:merge_starts[t + 1]] (None without earlier rows).
     merge_starts: torch.Tensor | None = None
     merge_entries: torch.Tensor | None = None
+    # Every run one query (a decode batch): causal and non-causal rows agree, so `own` then
+    # `earlier` go as one non-causal call (one FlashAttention launch a layer, not two).
+    joint: FlashRows | None = None
 
     def to(self, device: torch.device | str) -> "SegmentPlan":
         """The plan on `device`, in one copy per dtype (a dozen small copies would each
@@ -74,6 +77,8 @@ class SegmentPlan:
             parts.update({("earlier", name): t for name, t in self.earlier.tensors().items()})
             parts[("plan", "merge_starts")] = self.merge_starts
             parts[("plan", "merge_entries")] = self.merge_entries
+        if self.joint is not None:
+            parts.update({("joint", name): t for name, t in self.joint.tensors().items()})
         moved = _move_packed(parts, torch.device(device))
 
         def rows(which: str, host: FlashRows) -> FlashRows:
@@ -83,7 +88,8 @@ class SegmentPlan:
         if self.earlier is None:
             return SegmentPlan(rows("own", self.own), None)
         return SegmentPlan(rows("own", self.own), rows("earlier", self.earlier),
-                           moved[("plan", "merge_starts")], moved[("plan", "merge_entries")])
+                           moved[("plan", "merge_starts")], moved[("plan", "merge_entries")],
+                           None if self.joint is None else rows("joint", self.joint))
 
 
 def _move_packed(tensors: dict, device: torch.device) -> dict:
@@ -123,7 +129,25 @@ def segment_plan(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[
     starts = np.zeros(own.query_index.numel() + 1, dtype=np.int32)
     starts[1:] = np.bincount(token, minlength=starts.size - 1).cumsum()
     entries = np.argsort(token, kind="stable").astype(np.int32)
-    return SegmentPlan(own, earlier, torch.from_numpy(starts), torch.from_numpy(entries))
+    joint = _joint_rows(own, earlier) if own.max_seqlen_q == 1 else None
+    return SegmentPlan(own, earlier, torch.from_numpy(starts), torch.from_numpy(entries), joint)
+
+
+def _joint_rows(own: FlashRows, earlier: FlashRows) -> FlashRows:
+    """`own` then `earlier` as the rows of one call (their row tokens in that order)."""
+    width = max(own.row_blocks.shape[1], earlier.row_blocks.shape[1])
+    table = torch.zeros(own.row_blocks.shape[0] + earlier.row_blocks.shape[0], width,
+                        dtype=own.row_blocks.dtype)
+    table[: own.row_blocks.shape[0], : own.row_blocks.shape[1]] = own.row_blocks
+    table[own.row_blocks.shape[0]:, : earlier.row_blocks.shape[1]] = earlier.row_blocks
+    return FlashRows(query_index=torch.cat([own.query_index, earlier.query_index]),
+                     query_turn=torch.cat([own.query_turn, earlier.query_turn]),
+                     cu_seqlens_q=torch.cat([own.cu_seqlens_q,
+                                             earlier.cu_seqlens_q[1:] + own.cu_seqlens_q[-1]]),
+                     seqused_k=torch.cat([own.seqused_k, earlier.seqused_k]),
+                     row_request=torch.cat([own.row_request, earlier.row_request]),
+                     row_blocks=table, max_seqlen_q=max(own.max_seqlen_q, earlier.max_seqlen_q),
+                     max_seqlen_k=max(own.max_seqlen_k, earlier.max_seqlen_k))
 
 
 class _QueryRuns:

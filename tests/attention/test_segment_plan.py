@@ -101,6 +101,23 @@ def test_earlier_rows_are_needed():
     assert relative_error(alone, reference_attention(case)) > 1e-2
 
 
+@pytest.mark.parametrize("name, calls", [("spans_decode", 1), ("epic_hit_and_decode", 2)])
+def test_a_decode_batch_is_one_flash_call(name, calls):
+    """One query per run: the causal and non-causal rows agree, so a decode batch's rows go
+    as one call (one FlashAttention launch a layer); a batch with a longer run keeps two."""
+    case = build(name)
+    seen = []
+
+    def counted(*args, **kwargs):
+        seen.append(kwargs["causal"])
+        return paged_flash_reference(*args, **kwargs)
+
+    plan, out = run_plan(case, counted)
+    assert (plan.joint is not None) == (calls == 1)
+    assert len(seen) == calls
+    assert relative_error(out, reference_attention(case)) < 1e-5
+
+
 def test_a_plain_request_is_one_causal_row_without_turns():
     case = make_case([5, 1], [40, 64], num_q_heads=4, num_kv_heads=2, head_size=32,
                      dtype=torch.float32, markers=["-S-P", "----"])

@@ -1,0 +1,171 @@
+"""Decode step time at a large batch: stock vLLM (FA3) on plain prompts vs minipic on span prompts.
+
+    tools/gpu_run.sh python3 tools/bench_decode.py --modes eager,compiled --out $OUT/decode
+
+Every request reads the same 4.3k-token context (a 64-token system prompt and 10 documents
+of 400 tokens) followed by a question of its own (90 tokens), then decodes. Stock vLLM gets
+the plain tokens (no markers); minipic the recipe's span prompt of the same words (default
+epic64: each document's first 64 tokens recomputed in context as link blocks), after the
+spans were prefilled once. Both serve the shared context from their prefix cache, so each
+engine holds it once, and the batch (--batch requests) decodes over it.
+
+Per engine (one process each, Llama-3-8B shape, dummy weights, bf16, block 16): one warm-up
+round, then --rounds rounds of --batch requests with fresh questions, each decoding
+--steps tokens; a step counts when every request of the batch decoded in it (no prefill
+mixed in). Reported: the median step time over all counted steps, per engine and mode
+(eager, or compiled with CUDA graphs), and minipic / stock side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
+from minipic.config import DEFAULT_SERVER_RECIPE  # noqa: E402
+from minipic.devtools.bench_setup import make_model, random_words  # noqa: E402
+
+ENGINES = ("stock", "minipic")
+
+
+def prompts(args, markers: dict, block_size: int) -> dict:
+    """Token ids for every round (warm-up first): plain and span prompts of the same words."""
+    from minipic.protocol import SpanProtocol
+
+    rng = random.Random(0)
+    words = random_words(rng, args.arch)
+    system, docs = words(64), [words(args.doc_tokens) for _ in range(args.docs)]
+    build = RECIPES_BY_NAME[args.recipe]
+    protocol = SpanProtocol.from_dict(markers)
+    rounds = [[words(args.task_tokens) for _ in range(args.batch)]
+              for _ in range(args.rounds + 1)]
+    span = lambda task: build(docs, task, system=system, protocol=protocol, block_size=block_size)
+    return {"stock": [[system + [t for d in docs for t in d] + task for task in tasks]
+                      for tasks in rounds],
+            "minipic": [[span(task).final for task in tasks] for tasks in rounds],
+            "span_prefills": span(rounds[0][0]).span_prefills}
+
+
+def engine_child(spec: dict) -> dict:
+    """In this process: one engine, its decode steps timed."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(spec["engine"], model=spec["model"], enable_prefix_caching=True, seed=0,
+                  max_num_seqs=spec["batch"], enforce_eager=spec["mode"] == "eager",
+                  max_model_len=min(8192, spec["engine"]["max_model_len"]))
+    if spec["name"] == "minipic":
+        kwargs["additional_config"] = {"minipic": spec["markers"]}
+    llm = LLM(**kwargs)
+    load = json.loads(Path(spec["prompts"]).read_text())
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    if spec["name"] == "minipic":
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in load["span_prefills"]], one,
+                     use_tqdm=False)
+    rounds = load[spec["name"]]
+    llm.generate([TokensPrompt(prompt_token_ids=rounds[0][0])], one, use_tqdm=False)
+    params = SamplingParams(max_tokens=spec["steps"] + 1, temperature=0.0, ignore_eos=True)
+    steps, cached, context = [], [], len(rounds[0][0])
+    for index, tasks in enumerate(rounds):
+        times, hits = decode_round(llm, tasks, params, f"r{index}")
+        if index:  # round 0 warms up
+            steps += times
+            cached += hits
+    llm.llm_engine.engine_core.shutdown()
+    return {"engine": spec["name"], "mode": spec["mode"], "batch": spec["batch"],
+            "context_tokens": context, "counted_steps": len(steps),
+            "median_step_ms": statistics.median(steps) * 1e3,
+            "p90_step_ms": sorted(steps)[int(0.9 * len(steps))] * 1e3,
+            "cached_fraction": sum(cached) / (len(cached) * context)}
+
+
+def decode_round(llm, tasks: list[list[int]], params, tag: str) -> tuple[list[float], list[int]]:
+    """Seconds of each step in which every request decoded, and each request's cached tokens."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    for i, prompt in enumerate(tasks):
+        engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    tokens = {f"{tag}-{i}": 0 for i in range(len(tasks))}
+    times, cached = [], []
+    while engine.has_unfinished_requests():
+        began = time.perf_counter()
+        outputs = engine.step()
+        took = time.perf_counter() - began
+        decoding = len(outputs) == len(tasks) and all(tokens[o.request_id] for o in outputs)
+        for o in outputs:
+            tokens[o.request_id] = len(o.outputs[0].token_ids)
+            if o.finished:
+                cached.append(o.num_cached_tokens)
+        if decoding:
+            times.append(took)
+    return times, cached
+
+
+def run_child(spec: dict, work: Path) -> dict:
+    path = work / f"{spec['name']}-{spec['mode']}.json"
+    path.write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, __file__, "--child", str(path)], capture_output=True,
+                          text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise SystemExit(f"{spec['name']} ({spec['mode']}) failed:\n{done.stderr[-4000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--arch", choices=["llama3-8b", "tiny"], default="llama3-8b",
+                        help="tiny: a CPU smoke run (its numbers are not the product's)")
+    parser.add_argument("--modes", default="eager", help="eager,compiled")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--docs", type=int, default=10)
+    parser.add_argument("--doc-tokens", type=int, default=400)
+    parser.add_argument("--task-tokens", type=int, default=90)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default=DEFAULT_SERVER_RECIPE)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(engine_child(json.loads(args.child.read_text()))), flush=True)
+        return
+    if args.out is None:
+        parser.error("--out is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-decode-"))
+    model, engine, markers = make_model(args.arch, work)
+    (work / "prompts.json").write_text(json.dumps(prompts(args, markers, engine["block_size"])))
+    rows = []
+    for mode in args.modes.split(","):
+        for name in ENGINES:
+            spec = dict(name=name, mode=mode, model=model, engine=engine, markers=markers,
+                        prompts=str(work / "prompts.json"), batch=args.batch, steps=args.steps)
+            rows.append(run_child(spec, work))
+            print(json.dumps(rows[-1]), flush=True)
+            save(args, rows)  # a run cut at its time limit keeps what finished
+
+
+def save(args, rows: list[dict]) -> None:
+    ratios = {}
+    for mode in {r["mode"] for r in rows}:
+        by = {r["engine"]: r for r in rows if r["mode"] == mode}
+        if len(by) == len(ENGINES):
+            ratios[mode] = round(by["minipic"]["median_step_ms"] / by["stock"]["median_step_ms"], 3)
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+              "minipic_vs_stock": ratios}
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+
+if __name__ == "__main__":
+    main()
