@@ -62,7 +62,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile-dir", type=Path,
                         help="also run one untimed prompt per phase (fresh documents, the "
-                             "largest count) under vLLM's torch profiler; traces go here")
+                             "largest count) under vLLM's torch profiler (stock: its rerun, a full "
+                             "prefix hit); traces go here")
+    parser.add_argument("--profile-stack", action="store_true",
+                        help="with --profile-dir: record Python stacks too (where host time goes; "
+                             "tools/trace_summary.py lists them)")
     parser.add_argument("--cpu-gb", type=float, help="the connector's CPU tier (default 8 on 8B)")
     parser.add_argument("--disk-phases", type=disk_phase_list, default=DEFAULT_DISK_PHASES,
                         help="disk phases, e.g. warm:4,warm:16,cold:16 (module docstring)")
@@ -75,7 +79,8 @@ def main() -> None:
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,
                       disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb),
                       recipe=args.recipe,
-                      minipic_options=minipic_option_pairs(args.minipic_option))
+                      minipic_options=minipic_option_pairs(args.minipic_option),
+                      profile_stack=args.profile_stack)
     report(results, args)
 
 

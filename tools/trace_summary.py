@@ -90,6 +90,12 @@ def summarise(path: Path, n: int) -> str:
     lines += [f"| {name[:90]} | {dur / 1e3:.3f} | {calls} |" for name, dur, calls in top(gpu, n)]
     lines += ["", "| CPU op / annotation | total ms | calls |", "| --- | --- | --- |"]
     lines += [f"| {name[:90]} | {dur / 1e3:.3f} | {calls} |" for name, dur, calls in top(cpu, n)]
+    python = [e for e in events if e.get("cat") == "python_function"]
+    if python:  # traces taken with stacks (bench_ttft.py --profile-stack)
+        lines += ["", "| Python function (inclusive: callers count their callees) | total ms | "
+                  "calls |", "| --- | --- | --- |"]
+        lines += [f"| {name[:90]} | {dur / 1e3:.3f} | {calls} |"
+                  for name, dur, calls in top(python, 4 * n)]
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,7 @@ class SegmentBatch:
     any own turn is not 0 or the plan is joint, then the earlier rows')."""
 
     plan: SegmentPlan
-    own_table: torch.Tensor
+    own_table: torch.Tensor | None  # None for a joint plan: its call reads joint_table only
     earlier_table: torch.Tensor | None
     joint_table: torch.Tensor | None
     turn_index: torch.Tensor | None  # which query token each turned row query is
@@ -136,9 +136,12 @@ def vllm_flash_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
 
 
 def _row_tables(plan: SegmentPlan, block_table: torch.Tensor) -> tuple:
-    """The physical tables of the plan's own, earlier and joint rows (None where absent)."""
-    return tuple(None if rows is None else _row_table(block_table, rows)
-                 for rows in (plan.own, plan.earlier, plan.joint))
+    """The physical tables of the plan's own, earlier and joint rows (None where absent or,
+    beside a joint call, unused)."""
+    if plan.joint is not None:
+        return None, None, _row_table(block_table, plan.joint)
+    return (_row_table(block_table, plan.own),
+            None if plan.earlier is None else _row_table(block_table, plan.earlier), None)
 
 
 def _row_table(block_table: torch.Tensor, rows: FlashRows) -> torch.Tensor:

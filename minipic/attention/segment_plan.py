@@ -25,6 +25,7 @@ rows cannot express).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -121,33 +122,38 @@ def segment_plan(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[
         turn = turn + runs.link_shift()[:, None]
     visible = runs.earlier_visible()
     same_frame = visible & (turn == runs.own_turn(turn)[:, None])
-    own = runs.own_rows(same_frame, turn)
-    earlier = runs.earlier_rows(visible & ~same_frame, turn)
-    if earlier is None:
+    own_parts = runs.own_rows(same_frame, turn)
+    earlier_parts = runs.earlier_rows(visible & ~same_frame, turn)
+    own = _rows(*own_parts)
+    if earlier_parts is None:
         return SegmentPlan(own, None)
-    token = earlier.query_index.numpy()
+    earlier = _rows(*earlier_parts)
+    token = earlier_parts.query_index
     starts = np.zeros(own.query_index.numel() + 1, dtype=np.int32)
     starts[1:] = np.bincount(token, minlength=starts.size - 1).cumsum()
     entries = np.argsort(token, kind="stable").astype(np.int32)
-    joint = _joint_rows(own, earlier) if own.max_seqlen_q == 1 else None
+    joint = _rows(*_joined(own_parts, earlier_parts)) if own.max_seqlen_q == 1 else None
     return SegmentPlan(own, earlier, torch.from_numpy(starts), torch.from_numpy(entries), joint)
 
 
-def _joint_rows(own: FlashRows, earlier: FlashRows) -> FlashRows:
+def _joined(own: "_RowParts", earlier: "_RowParts") -> "_RowParts":
     """`own` then `earlier` as the rows of one call (their row tokens in that order)."""
     width = max(own.row_blocks.shape[1], earlier.row_blocks.shape[1])
-    table = torch.zeros(own.row_blocks.shape[0] + earlier.row_blocks.shape[0], width,
-                        dtype=own.row_blocks.dtype)
+    table = np.zeros((own.row_blocks.shape[0] + earlier.row_blocks.shape[0], width), np.int64)
     table[: own.row_blocks.shape[0], : own.row_blocks.shape[1]] = own.row_blocks
     table[own.row_blocks.shape[0]:, : earlier.row_blocks.shape[1]] = earlier.row_blocks
-    return FlashRows(query_index=torch.cat([own.query_index, earlier.query_index]),
-                     query_turn=torch.cat([own.query_turn, earlier.query_turn]),
-                     cu_seqlens_q=torch.cat([own.cu_seqlens_q,
-                                             earlier.cu_seqlens_q[1:] + own.cu_seqlens_q[-1]]),
-                     seqused_k=torch.cat([own.seqused_k, earlier.seqused_k]),
-                     row_request=torch.cat([own.row_request, earlier.row_request]),
-                     row_blocks=table, max_seqlen_q=max(own.max_seqlen_q, earlier.max_seqlen_q),
-                     max_seqlen_k=max(own.max_seqlen_k, earlier.max_seqlen_k))
+    return _RowParts(*(np.concatenate([a, b]) for a, b in zip(own[:-1], earlier[:-1])), table)
+
+
+class _RowParts(NamedTuple):
+    """A FlashRows call's arrays, on the host, as `_rows` takes them."""
+
+    query_index: np.ndarray
+    query_turn: np.ndarray
+    query_lens: np.ndarray
+    key_lens: np.ndarray
+    row_request: np.ndarray
+    row_blocks: np.ndarray
 
 
 class _QueryRuns:
@@ -220,17 +226,17 @@ class _QueryRuns:
         return ((self.block[None, :] < segment[:, None]) & outside_spans[:, None]
                 & (context < here[:, None]))
 
-    def own_rows(self, same_frame: np.ndarray, turn: np.ndarray) -> FlashRows:
+    def own_rows(self, same_frame: np.ndarray, turn: np.ndarray) -> _RowParts:
         """One causal row per run: the earlier blocks in its own frame, then its segment
         up to its last query (every query token once, in batch order)."""
         last = (self.end - 1) // self.block_size
         own = (self.block[None, :] >= self.segment[:, None]) & (self.block[None, :] <= last[:, None])
         key_lens = same_frame.sum(axis=1) * self.block_size + self.end \
             - self.segment * self.block_size
-        return _rows(np.arange(self.length.sum()), np.repeat(self.own_turn(turn), self.length),
-                     self.length, key_lens, self.request, _packed_table(same_frame | own))
+        return _RowParts(np.arange(self.length.sum()), np.repeat(self.own_turn(turn), self.length),
+                         self.length, key_lens, self.request, _packed_table(same_frame | own))
 
-    def earlier_rows(self, other_frames: np.ndarray, turn: np.ndarray) -> FlashRows | None:
+    def earlier_rows(self, other_frames: np.ndarray, turn: np.ndarray) -> _RowParts | None:
         """One non-causal row per (run, frame) among the earlier visible blocks in frames
         other than the run's own, the run's queries turned back by that frame's turn."""
         run, block = np.nonzero(other_frames)  # by run, then block
@@ -249,9 +255,9 @@ class _QueryRuns:
         row_run = run[heads]
         lengths = self.length[row_run]
         offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        return _rows(np.repeat(self.token[row_run], lengths) + offsets,
-                     np.repeat(turns[heads], lengths), lengths, counts * self.block_size,
-                     self.request[row_run], table)
+        return _RowParts(np.repeat(self.token[row_run], lengths) + offsets,
+                         np.repeat(turns[heads], lengths), lengths, counts * self.block_size,
+                         self.request[row_run], table)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
