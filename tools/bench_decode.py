@@ -13,7 +13,8 @@ Per engine (one process each, Llama-3-8B shape, dummy weights, bf16, block 16): 
 round, then --rounds rounds of --batch requests with fresh questions, each decoding
 --steps tokens; a step counts when every request of the batch decoded in it (no prefill
 mixed in). Reported: the median step time over all counted steps, per engine and mode
-(eager, or compiled with CUDA graphs), and minipic / stock side by side.
+(eager, or compiled with CUDA graphs), and minipic / stock side by side. --profile-dir
+traces one more short round per engine (tools/trace_summary.py summarises it).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from minipic.config import DEFAULT_SERVER_RECIPE  # noqa: E402
 from minipic.devtools.bench_setup import make_model, random_words  # noqa: E402
 
 ENGINES = ("stock", "minipic")
+PROFILED_STEPS = 6
 
 
 def prompts(args, markers: dict, block_size: int) -> dict:
@@ -66,6 +68,9 @@ def engine_child(spec: dict) -> dict:
                   max_model_len=min(8192, spec["engine"]["max_model_len"]))
     if spec["name"] == "minipic":
         kwargs["additional_config"] = {"minipic": spec["markers"]}
+    if spec.get("profile_dir"):
+        kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_with_stack": False,
+                                     "torch_profiler_dir": spec["profile_dir"]}
     llm = LLM(**kwargs)
     load = json.loads(Path(spec["prompts"]).read_text())
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -81,6 +86,11 @@ def engine_child(spec: dict) -> dict:
         if index:  # round 0 warms up
             steps += times
             cached += hits
+    if spec.get("profile_dir"):  # the warm-up's questions again (prefix hits), a few steps
+        llm.start_profile(profile_prefix=f"{spec['name']}-{spec['mode']}")
+        decode_round(llm, rounds[0], SamplingParams(max_tokens=PROFILED_STEPS + 1,
+                                                    temperature=0.0, ignore_eos=True), "prof")
+        llm.stop_profile()
     llm.llm_engine.engine_core.shutdown()
     return {"engine": spec["name"], "mode": spec["mode"], "batch": spec["batch"],
             "context_tokens": context, "counted_steps": len(steps),
@@ -136,6 +146,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default=DEFAULT_SERVER_RECIPE)
+    parser.add_argument("--profile-dir", type=Path,
+                        help="also trace one more round of a few steps per engine (torch profiler)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.child:
@@ -151,7 +163,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         for name in ENGINES:
             spec = dict(name=name, mode=mode, model=model, engine=engine, markers=markers,
-                        prompts=str(work / "prompts.json"), batch=args.batch, steps=args.steps)
+                        prompts=str(work / "prompts.json"), batch=args.batch, steps=args.steps,
+                        profile_dir=args.profile_dir and str(args.profile_dir))
             rows.append(run_child(spec, work))
             print(json.dumps(rows[-1]), flush=True)
             save(args, rows)  # a run cut at its time limit keeps what finished

@@ -50,5 +50,13 @@ def turn_back_tokens(x: torch.Tensor, turns: Rotation | None) -> torch.Tensor:
         return x
     n = turns.cos.shape[0]
     heads = x[:n].view(n, -1, current_rope().head_size)
-    turned = turns.apply(heads).to(x.dtype)
+    if x.is_cuda:  # one launch, where torch takes a dozen per layer
+        from minipic.attention.segment_kernels import turn_rows
+
+        turned = turn_rows(heads, None, turns.cos, turns.sin, turns.rotary_dim,
+                           turns.is_neox_style)
+    else:
+        turned = turns.apply(heads).to(x.dtype)
+    if n == x.shape[0]:
+        return turned.view(x.shape)
     return torch.cat((turned.view(n, *x.shape[1:]), x[n:]))

@@ -2,7 +2,7 @@
 
 Per layer a span batch on FlashAttention runs four launches: `turn_rows` (every row's
 queries gathered and turned back into the frame they read, one launch for both
-calls), the causal and the non-causal FlashAttention call, and `merge_rows` (each
+calls; the same kernel turns new keys into their frames before the cache write), the causal and the non-causal FlashAttention call, and `merge_rows` (each
 query token's rows merged by their log-sum-exp). In torch the turns and the merge
 take some thirty small launches a layer, which cost more than the attention itself
 on a short task after a hit.
@@ -20,11 +20,14 @@ def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
                       q_stride_t, q_stride_h, out_stride_t, out_stride_h, turn_stride,
                       HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
                       HALF_PADDED: tl.constexpr, PASS_PADDED: tl.constexpr,
-                      IS_NEOX: tl.constexpr):
+                      IS_NEOX: tl.constexpr, HAS_INDEX: tl.constexpr):
     # int64 offsets: rows x row stride passes 2^31 elements on long batches
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    token = tl.load(index_ptr + row).to(tl.int64)
+    if HAS_INDEX:
+        token = tl.load(index_ptr + row).to(tl.int64)
+    else:  # row i turns token i
+        token = row
     src = q_ptr + token * q_stride_t + head * q_stride_h
     dst = out_ptr + row * out_stride_t + head * out_stride_h
     r = tl.arange(0, HALF_PADDED)
@@ -44,22 +47,23 @@ def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
     tl.store(dst + p, tl.load(src + p, mask=p_mask, other=0.0), mask=p_mask)
 
 
-def turn_rows(query: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              rotary_dim: int, is_neox_style: bool) -> torch.Tensor:
+def turn_rows(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor,
+              sin: torch.Tensor, rotary_dim: int, is_neox_style: bool) -> torch.Tensor:
     """[rows, heads, head_size]: query[index[i]] turned by (cos[i], sin[i]) (a
-    rotation.Rotation's tables), in the query's dtype."""
-    rows, (_, heads, head_size) = index.shape[0], query.shape
+    rotation.Rotation's tables), in the query's dtype; index None: query[i], for the
+    first cos.shape[0] tokens (the K turn before the cache write)."""
+    rows, (_, heads, head_size) = cos.shape[0], query.shape
     out = torch.empty(rows, heads, head_size, dtype=query.dtype, device=query.device)
     if rows == 0:
         return out
     half = rotary_dim // 2
     cos, sin = cos.contiguous(), sin.contiguous()
     _turn_rows_kernel[(rows, heads)](
-        query, index, cos, sin, out, query.stride(0), query.stride(1), out.stride(0),
+        query, cos if index is None else index, cos, sin, out, query.stride(0), query.stride(1), out.stride(0),
         out.stride(1), cos.stride(0), HEAD_SIZE=head_size, ROT_HALF=half,
         HALF_PADDED=triton.next_power_of_2(half),
         PASS_PADDED=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
-        IS_NEOX=is_neox_style)
+        IS_NEOX=is_neox_style, HAS_INDEX=index is not None)
     return out
 
 

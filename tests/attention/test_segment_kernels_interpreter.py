@@ -30,6 +30,7 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
 def _errors(name: str) -> dict[str, float]:
     import torch
 
+    from minipic.attention.rotation import Rotation
     from minipic.attention.segment_attention import (merge, paged_flash_reference, prepare,
                                                      segment_attention)
     from minipic.attention.segment_kernels import merge_rows, turn_rows
@@ -47,6 +48,11 @@ def _errors(name: str) -> dict[str, float]:
     by_kernel = turn_rows(q, batch.turn_index, batch.turn.cos, batch.turn.sin,
                           case.rotary_dim, case.is_neox)
     by_torch = batch.turn.apply(q.index_select(0, batch.turn_index)).to(q.dtype)
+    # The K turn before the cache write: token i by its own amount, no index.
+    keys = Rotation.back(torch.arange(q.shape[0] - 3) * 7, case.cos_sin, case.rotary_dim,
+                         case.is_neox)
+    keys_by_kernel = turn_rows(q, None, keys.cos, keys.sin, case.rotary_dim, case.is_neox)
+    keys_by_torch = keys.apply(q[: q.shape[0] - 3]).to(q.dtype)
 
     flash = functools.partial(paged_flash_reference, scale=case.scale)
     n = q.shape[0]
@@ -63,6 +69,7 @@ def _errors(name: str) -> dict[str, float]:
     whole = torch.empty_like(q)
     segment_attention(q, case.k_cache, case.v_cache, whole, batch, flash)
     return {"turn": relative_error(by_kernel, by_torch),
+            "turn_keys": relative_error(keys_by_kernel, keys_by_torch),
             "merge": relative_error(merged_kernel, merged_torch),
             "merge_vs_reference": relative_error(merged_kernel, reference_attention(case)),
             "torch_path_vs_reference": relative_error(whole, reference_attention(case))}
@@ -81,7 +88,7 @@ def interpreter_errors() -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("check", ["turn", "merge", "merge_vs_reference",
+@pytest.mark.parametrize("check", ["turn", "turn_keys", "merge", "merge_vs_reference",
                                    "torch_path_vs_reference"])
 def test_kernels_match_torch(interpreter_errors, name, check):
     err = interpreter_errors[name]
