@@ -41,7 +41,6 @@ _runner: Callable[[], Any] = _no_runner  # a weak reference to the registered ru
 _protocol: SpanProtocol | None = None
 _mask_markers = False  # hide marker and padding keys (minipic option mask_markers)
 _mrv2_idx_mapping: torch.Tensor | None = None  # rows of the batch being run (MRV2)
-_mrv2_idx_mapping_np = None  # the same rows on the host (numpy)
 
 
 class OneEnginePerProcessError(RuntimeError):
@@ -68,10 +67,10 @@ def register_runner(runner: Any, protocol: SpanProtocol, mask_markers: bool = Fa
     _runner, _protocol, _mask_markers = weakref.ref(runner), protocol, mask_markers
 
 
-def note_mrv2_batch(idx_mapping: torch.Tensor, idx_mapping_np=None) -> None:
+def note_mrv2_batch(idx_mapping: torch.Tensor) -> None:
     """Model Runner V2 prepared a batch: remember which token rows it runs."""
-    global _mrv2_idx_mapping, _mrv2_idx_mapping_np
-    _mrv2_idx_mapping, _mrv2_idx_mapping_np = idx_mapping, idx_mapping_np
+    global _mrv2_idx_mapping
+    _mrv2_idx_mapping = idx_mapping
 
 
 # A block no context query may see (a span head replaced by its link), as a
@@ -134,9 +133,7 @@ class SpanLayout:
                                                 device=self.span_of.device))
 
     def to(self, device: torch.device | str) -> "SpanLayout":
-        # To the GPU without waiting for it (host tables are not reused after the copy).
-        to_gpu = torch.device(device).type == "cuda"
-        moved = [None if t is None else t.to(device, non_blocking=to_gpu) for t in (
+        moved = [None if t is None else t.to(device) for t in (
             self.span_of, self.context_pos, self.shift, self.frame_offset, self.links_end,
             self.link_tokens, self.quiet, self.logical, self.read_offset)]
         return SpanLayout(*moved)
@@ -253,15 +250,8 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
 
     `max_seq_len`: the batch's longest sequence (or a bound on it). The runner's token
     rows are max_model_len wide; the layout needs the batch's blocks only (mask_markers'
-    per token tables would otherwise cost max_model_len per request, every step).
-    On the host, but for Model Runner V2 with mask_markers (whose quiet keys include
-    generated tokens, which only the GPU's table holds)."""
+    per token tables would otherwise cost max_model_len per request, every step)."""
     width = None if max_seq_len is None else -(-max_seq_len // block_size) * block_size
-    if not _mask_markers:
-        on_host = _host_block_firsts(num_reqs, block_size, width)
-        if on_host is not None:
-            firsts, prompt_lens = on_host
-            return span_layout(firsts, _protocol, block_size, prompt_lens)
     found = _token_rows(num_reqs, width)
     if found is None:
         return None
@@ -270,20 +260,6 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
     if _mask_markers:
         take_no_room(layout, quiet_keys(tokens, _protocol), block_size)
     return layout
-
-
-def _host_block_firsts(num_reqs: int, block_size: int, width: int | None
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """MRV2: the batch's block first tokens and prompt lengths from the runner's host
-    copy of its prompts (attention.host_prompts); None on the V1 runner (its table is on
-    the host already) and before the first real batch."""
-    runner = _runner()
-    prompts = getattr(runner, "minipic_host_prompts", None)
-    if prompts is None or _mrv2_idx_mapping_np is None or width is None:
-        return None
-    rows = _mrv2_idx_mapping_np[:num_reqs]
-    firsts, lengths = prompts.block_firsts(rows, block_size, width // block_size)
-    return torch.from_numpy(firsts), torch.from_numpy(lengths)
 
 
 def take_no_room(layout: SpanLayout, quiet: torch.Tensor, block_size: int) -> None:
