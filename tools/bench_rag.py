@@ -523,14 +523,30 @@ def store_line(row: dict) -> str:
 
 
 def host_facts() -> dict:
-    facts = {"python": sys.version.split()[0], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                         time.gmtime())}
+    """What a result needs to say where it is from: GPU, vLLM, and the attention stock vLLM
+    picks there (the figure's "stock vLLM (FA3)")."""
+    import vllm
+
+    facts = {"python": sys.version.split()[0], "vllm": vllm.__version__,
+             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "stock_attention": stock_attention()}
     try:
         facts["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                                       capture_output=True, text=True).stdout.strip() or None
     except OSError:
         facts["gpu"] = None
     return facts
+
+
+def stock_attention() -> str:
+    """vLLM's default attention for an fp16/bf16 model here: FA3 on Hopper, FA2 on Ampere+
+    (when the build has them), else Triton; the CPU backend without a GPU."""
+    if not is_cuda():
+        return "CPU attention"
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    version = get_flash_attn_version(head_size=128)
+    return f"FA{version}" if version else "Triton"
 
 
 def report(args) -> None:
@@ -571,33 +587,16 @@ def figure2(args, base: dict, work: Path) -> None:
 
 
 def plot_figure2(data: dict, path: Path) -> None:
-    """Three panels like the paper's; skipped (with a note) where matplotlib is missing."""
+    """The three panels (minipic.devtools.figure2_plot); skipped, with a note, where
+    matplotlib is missing."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         print("[bench_rag] matplotlib not importable: no figure2.png (the JSON has the data)")
         return
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for series in (s for s in data.get("preload", []) if "error" not in s):
-        axes[0].plot([p["tokens"] for p in series["by_length"]],
-                     [p["seconds"] for p in series["by_length"]], "o-", label=series["name"])
-        axes[1].plot([p["docs"] for p in series["by_docs"]],
-                     [p["seconds"] for p in series["by_docs"]], "o-", label=series["name"])
-    for phase in (p for p in data.get("ttft", []) if "error" not in p):
-        axes[2].plot([p["docs"] for p in phase["points"]],
-                     [p["median_ttft_s"] * 1e3 for p in phase["points"]], "o-", label=phase["phase"])
-    titles = [("preload time vs prompt length (no spans)", "prompt tokens", "seconds"),
-              ("preload time vs document count", "documents in one batch", "seconds"),
-              ("TTFT vs cached documents", "documents in the final prompt", "median TTFT (ms)")]
-    axes[2].set_yscale("log")  # stock and a hit differ by orders of magnitude at 40 documents
-    for ax, (title, x, y) in zip(axes, titles):
-        ax.set(title=title, xlabel=x, ylabel=y)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from minipic.devtools.figure2_plot import plot, run_facts
+
+    plot(data, path, run_facts(data))
     print(f"[bench_rag] wrote {path}")
 
 
