@@ -122,7 +122,7 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
     q, cu, lens, table = step.tensors(pool)
     seq_len = step.context + step.q_len
     scale = HEAD ** -0.5
-    segm = tk.segment_buffers(SEQ_THRESHOLD_3D, Q_HEADS, HEAD, "cuda")
+    split = tk.split_kv_buffers(SEQ_THRESHOLD_3D, Q_HEADS, HEAD, "cuda")
     ones = torch.ones(1, device="cuda").expand(step.num_seqs, KV_HEADS)
 
     def stock():
@@ -131,8 +131,8 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
             seqused_k=lens, max_seqlen_k=seq_len, softmax_scale=scale, causal=True,
             window_size=(-1, -1), block_table=table, softcap=0, q_descale=None,
             k_descale=ones, v_descale=ones, seq_threshold_3D=SEQ_THRESHOLD_3D,
-            num_par_softmax_segments=tk.NUM_SEGMENTS, softmax_segm_output=segm[0],
-            softmax_segm_max=segm[1], softmax_segm_expsum=segm[2])
+            num_par_softmax_segments=tk.NUM_SPLITS, softmax_segm_output=split[0],
+            softmax_segm_max=split[1], softmax_segm_expsum=split[2])
 
     # Span tables with no span and every frame offset 0: the kernel does a span batch's
     # work (every tile turned, the rules applied) and its output is stock attention's.
@@ -149,7 +149,7 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
         return lambda: tk.unified_attention_rope(
             q, pool.k_rot, pool.v, out, cu_seqlens_q=cu, seqused_k=lens, max_seqlen_q=step.q_len,
             block_table=table, softmax_scale=scale, cos_sin=pool.cos_sin, rotary_dim=HEAD,
-            is_neox_style=True, segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
+            is_neox_style=True, split_output=split[0], split_max=split[1], split_expsum=split[2],
             seq_threshold_3d=SEQ_THRESHOLD_3D, config=config,
             **(tk.span_table_args(plain, BLOCK) if span_tables else {}))
 
@@ -216,18 +216,18 @@ def sweep_launchers(step: Step, pool: KVPool, out: torch.Tensor) -> dict:
     """Tile-shape variants of minipic: prefill shapes, or decode shapes both split (3D) and not."""
     q, cu, lens, table = step.tensors(pool)
     decode = step.q_len == 1
-    big_segm = tk.segment_buffers(step.num_seqs, Q_HEADS, HEAD, "cuda")
+    big_segm = tk.split_kv_buffers(step.num_seqs, Q_HEADS, HEAD, "cuda")
     variants = {}
     for c in DECODE_SWEEP if decode else SWEEP:
         for split in ((False, True) if decode else (False,)):
             name = (f"m{c.block_m}_t{c.tile_size}_w{c.num_warps}_s{c.num_stages}"
                     f"_p{int(c.prefetch)}" + ("_3d" if split else ""))
-            segm = dict(zip(("segm_output", "segm_max", "segm_expsum"), big_segm),
+            buffers = dict(zip(("split_output", "split_max", "split_expsum"), big_segm),
                         seq_threshold_3d=step.num_seqs) if split else {}
-            variants[name] = (lambda c=c, segm=segm: tk.unified_attention_rope(
+            variants[name] = (lambda c=c, buffers=buffers: tk.unified_attention_rope(
                 q, pool.k_rot, pool.v, out, cu_seqlens_q=cu, seqused_k=lens,
                 max_seqlen_q=step.q_len, block_table=table, softmax_scale=HEAD ** -0.5,
-                cos_sin=pool.cos_sin, rotary_dim=HEAD, is_neox_style=True, config=c, **segm))
+                cos_sin=pool.cos_sin, rotary_dim=HEAD, is_neox_style=True, config=c, **buffers))
     return variants
 
 
@@ -245,9 +245,9 @@ def short_sweep_launchers(step: Step, pool: KVPool, out: torch.Tensor) -> dict:
         if segments:
             f32 = dict(dtype=torch.float32, device="cuda")
             n = step.num_seqs * step.q_len
-            split = dict(segm_output=torch.empty(n, Q_HEADS, segments, HEAD, **f32),
-                         segm_max=torch.empty(n, Q_HEADS, segments, **f32),
-                         segm_expsum=torch.empty(n, Q_HEADS, segments, **f32),
+            split = dict(split_output=torch.empty(n, Q_HEADS, segments, HEAD, **f32),
+                         split_max=torch.empty(n, Q_HEADS, segments, **f32),
+                         split_expsum=torch.empty(n, Q_HEADS, segments, **f32),
                          seq_threshold_3d=SEQ_THRESHOLD_3D)
         for c in SHORT_SWEEP:
             name = f"m{c.block_m}_t{c.tile_size}_w{c.num_warps}_seg{segments}"

@@ -81,7 +81,7 @@ def launchers(b: Batch, out: torch.Tensor) -> dict:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     batch = b.plan()
-    segm = tk.segment_buffers(tk.SPLIT_KV_MAX_TOKENS, Q_HEADS, HEAD, "cuda")
+    split = tk.split_kv_buffers(tk.SPLIT_KV_MAX_TOKENS, Q_HEADS, HEAD, "cuda")
 
     def fa3():
         flash_attn_varlen_func(q=b.q, k=b.k, v=b.v, max_seqlen_q=b.q_len, cu_seqlens_q=b.cu,
@@ -97,8 +97,8 @@ def launchers(b: Batch, out: torch.Tensor) -> dict:
         tk.unified_attention_rope(
             b.q, b.k, b.v, out, cu_seqlens_q=b.cu, seqused_k=b.seq_lens,
             max_seqlen_q=b.q_len, block_table=b.table, softmax_scale=b.scale,
-            cos_sin=b.cos_sin, rotary_dim=HEAD, is_neox_style=True, segm_output=segm[0],
-            segm_max=segm[1], segm_expsum=segm[2],
+            cos_sin=b.cos_sin, rotary_dim=HEAD, is_neox_style=True, split_output=split[0],
+            split_max=split[1], split_expsum=split[2],
             seq_threshold_3d=tk.MIN_GRID_2D // KV_HEADS, **tk.span_table_args(b.layout, BLOCK))
 
     return {"fa3": fa3, "flash_rows": flash_rows, "triton": triton}

@@ -22,7 +22,7 @@ GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 # and FA3, a "cutlass" kernel, are not counted as GEMMs): where a step's GPU time goes.
 KERNEL_CLASSES = [
     ("KV cache write", ("reshape_and_cache", "cache_kernel")),
-    ("attention", ("attention", "attn", "flash", "_reduce_segments")),
+    ("attention", ("attention", "attn", "flash", "_reduce_segments", "_reduce_splits")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
 ]
 

@@ -62,7 +62,7 @@ from minipic.attention.triton_kernel import (
     SPLIT_KV_MAX_TOKENS,
     check_rope,
     quiet_words,
-    segment_buffers,
+    split_kv_buffers,
     span_table_args,
     unified_attention_rope,
 )
@@ -88,7 +88,7 @@ class SpanBatchBuilder:
     the rows fold them into their own turns; None
     without links), `minipic_key_turn` (the K turn-backs before the cache write, None
     when all are 0), `minipic_span_block_size`, and the kernel's split-KV scratch
-    (`minipic_segments`, `minipic_seq_threshold_3d`)."""
+    (`minipic_split_kv_scratch`, `minipic_seq_threshold_3d`)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     # Whether the base backend can attend span batches as FlashAttention rows.
@@ -102,7 +102,7 @@ class SpanBatchBuilder:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # vLLM's Triton rule: a decode batch of fewer requests than this splits its KV.
         self.seq_threshold_3d = MIN_GRID_2D // self.num_heads_kv
-        self.segments = segment_buffers(max(SPLIT_KV_MAX_TOKENS, self.seq_threshold_3d),
+        self.split_kv_scratch = split_kv_buffers(max(SPLIT_KV_MAX_TOKENS, self.seq_threshold_3d),
                                         self.num_heads_q, self.headdim, device)
         from minipic.config import span_attention
 
@@ -129,7 +129,7 @@ class SpanBatchBuilder:
             metadata.minipic_key_turn = token_turns(key_turn_backs(
                 layout, query_start_loc, seq_lens, self.block_size), self.device)
         metadata.minipic_span_block_size = self.block_size
-        metadata.minipic_segments = self.segments
+        metadata.minipic_split_kv_scratch = self.split_kv_scratch
         metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
         return metadata
 
@@ -212,14 +212,14 @@ class SpanBatchImpl:
                               self.run_flash_rows)
             return output
         query = turn_back_tokens(query, md.minipic_token_shift)
-        segm_output, segm_max, segm_expsum = md.minipic_segments
+        split_output, split_max, split_expsum = md.minipic_split_kv_scratch
         unified_attention_rope(
             query[:n], key_cache, value_cache, output[:n],
             cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens,
             max_seqlen_q=md.max_query_len, block_table=md.block_table,
             softmax_scale=self.scale, cos_sin=self._rope_table(query.device),
             rotary_dim=rope.rotary_dim, is_neox_style=rope.is_neox_style,
-            segm_output=segm_output, segm_max=segm_max, segm_expsum=segm_expsum,
+            split_output=split_output, split_max=split_max, split_expsum=split_expsum,
             seq_threshold_3d=md.minipic_seq_threshold_3d,
             **span_table_args(md.minipic_tables, md.minipic_span_block_size,
                               md.minipic_quiet_bits),

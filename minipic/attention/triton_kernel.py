@@ -11,7 +11,7 @@ nothing is rotated: a plain prompt's cache is stock vLLM's. Everything else foll
 holding BLOCK_Q tokens times the kv head's query heads (GQA rows share one K
 tile), online softmax over KV tiles, and for small decode batches (and, unlike
 vLLM, for a few short queries over long contexts) a split-KV ("3D") variant
-whose partial results `_reduce_segments` merges. With span tables (HAS_SPAN_TABLES)
+whose partial results `_reduce_splits` merges. With span tables (HAS_SPAN_TABLES)
 each tile is also masked by minipic's span and EPIC link rule
 (span_layout.visible_keys); without them nothing is read and the launch is plain
 causal attention.
@@ -173,9 +173,9 @@ def minipic_attention_kernel(
     links_end_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.links_end
     link_tokens_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.link_tokens
     quiet_ptr,  # HAS_QUIET: [seqs, words] int32, bit k % 32 of word k // 32: key k is quiet
-    segm_out_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32
-    segm_max_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
-    segm_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SEGMENTS] fp32
+    split_out_ptr,  # 3D only: [tokens, q_heads, NUM_SPLITS, HEAD_SIZE_PADDED] fp32
+    split_max_ptr,  # 3D only: [tokens, q_heads, NUM_SPLITS] fp32
+    split_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SPLITS] fp32
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
     num_seqs: tl.int32,  # typed so a batch of one is not specialised to a constant
     block_table_stride: tl.int64,
@@ -207,7 +207,7 @@ def minipic_attention_kernel(
     IS_NEOX: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     IS_3D: tl.constexpr,
     PREFETCH: tl.constexpr,
     HAS_SPAN_TABLES: tl.constexpr,  # minipic spans and links (see minipic.attention.span_layout)
@@ -216,7 +216,7 @@ def minipic_attention_kernel(
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
-    segm = tl.program_id(2) if IS_3D else 0
+    split = tl.program_id(2) if IS_3D else 0
 
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q, True)
     q_start = tl.load(query_start_loc_ptr + seq_idx)
@@ -255,12 +255,12 @@ def minipic_attention_kernel(
     kv_hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
     num_tiles = _cdiv(kv_hi, TILE_SIZE)
     if IS_3D:
-        # Same split as _reduce_segments: segments past the keys are skipped.
-        tiles_per_segment = _cdiv(seq_len, NUM_SEGMENTS * TILE_SIZE)
-        if segm * tiles_per_segment * TILE_SIZE >= seq_len:
+        # Same split as _reduce_splits: splits past the keys are skipped.
+        tiles_per_split = _cdiv(seq_len, NUM_SPLITS * TILE_SIZE)
+        if split * tiles_per_split * TILE_SIZE >= seq_len:
             return
-        tile_lo = segm * tiles_per_segment
-        tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     else:
         tile_lo = 0
         tile_hi = num_tiles
@@ -293,7 +293,7 @@ def minipic_attention_kernel(
         q_last = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len) - 1
         some_after = (q_last >= links_end) & (links_end > 0)
 
-    # Keys this program reads: the causal bound, and its segment's end in 3D.
+    # Keys this program reads: the causal bound, and its split's end in 3D.
     kv_end = tl.minimum(kv_hi, tile_hi * TILE_SIZE)
     if PREFETCH:
         # Software pipelining by hand: the rotation consumes K in registers, so
@@ -366,13 +366,13 @@ def minipic_attention_kernel(
         acc = tl.dot(P.to(V.dtype), V, acc * alpha[:, None])
 
     if IS_3D:
-        # Unnormalised partials; _reduce_segments rescales and sums them.
-        segm_row = (token * NUM_QUERY_HEADS + head) * NUM_SEGMENTS + segm
-        tl.store(segm_out_ptr + segm_row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :], acc,
+        # Unnormalised partials; _reduce_splits rescales and sums them.
+        split_row = (token * NUM_QUERY_HEADS + head) * NUM_SPLITS + split
+        tl.store(split_out_ptr + split_row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :], acc,
                  mask=row_mask[:, None] & d_mask[None, :])
         # A row that saw no key here (causal or span cut) must not set the common max.
-        tl.store(segm_max_ptr + segm_row, tl.where(L > 0.0, M, float("-inf")), mask=row_mask)
-        tl.store(segm_expsum_ptr + segm_row, L, mask=row_mask)
+        tl.store(split_max_ptr + split_row, tl.where(L > 0.0, M, float("-inf")), mask=row_mask)
+        tl.store(split_expsum_ptr + split_row, L, mask=row_mask)
     else:
         # Padding rows never saw a key (L = 0); they are not stored, keep them finite.
         out = acc / tl.where(L > 0.0, L, 1.0)[:, None]
@@ -382,11 +382,11 @@ def minipic_attention_kernel(
 
 
 @triton.jit
-def _reduce_segments(
+def _reduce_splits(
     out_ptr,
-    segm_out_ptr,
-    segm_max_ptr,
-    segm_expsum_ptr,
+    split_out_ptr,
+    split_max_ptr,
+    split_expsum_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
     num_seqs: tl.int32,
@@ -396,7 +396,7 @@ def _reduce_segments(
     TILE_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     """Merge one (token, head)'s split-KV partials: rescale to a common max, sum, normalise."""
     token = tl.program_id(0)
@@ -404,19 +404,19 @@ def _reduce_segments(
     seq_idx = _find_seq_idx(query_start_loc_ptr, token, num_seqs, 1, False)
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     # Padded requests can have seq_len 0: keep the divisor non-zero.
-    tiles_per_segment = tl.maximum(_cdiv(seq_len, NUM_SEGMENTS * TILE_SIZE), 1)
-    used = _cdiv(seq_len, tiles_per_segment * TILE_SIZE)
+    tiles_per_split = tl.maximum(_cdiv(seq_len, NUM_SPLITS * TILE_SIZE), 1)
+    used = _cdiv(seq_len, tiles_per_split * TILE_SIZE)
 
-    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_s = tl.arange(0, NUM_SPLITS)
     s_mask = offs_s < used
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     d_mask = offs_d < HEAD_SIZE
-    row = (token.to(tl.int64) * NUM_QUERY_HEADS + head) * NUM_SEGMENTS + offs_s
-    m = tl.load(segm_max_ptr + row, mask=s_mask, other=float("-inf"))
+    row = (token.to(tl.int64) * NUM_QUERY_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(split_max_ptr + row, mask=s_mask, other=float("-inf"))
     m_all = tl.max(m, axis=0)
     w = tl.where(s_mask, tl.exp2(m - m_all), 0.0)
-    total = tl.sum(tl.load(segm_expsum_ptr + row, mask=s_mask, other=0.0) * w, axis=0)
-    parts = tl.load(segm_out_ptr + row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :],
+    total = tl.sum(tl.load(split_expsum_ptr + row, mask=s_mask, other=0.0) * w, axis=0)
+    parts = tl.load(split_out_ptr + row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :],
                     mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     acc = tl.sum(parts * w[:, None], axis=0)
     out = tl.where(total > 0.0, acc / total, 0.0)
@@ -447,13 +447,13 @@ PREFILL = LaunchConfig(block_m=128, tile_size=64, num_warps=8, num_stages=2, pre
 # Head dims above 128: PREFILL's tiles overflow shared memory (seen at 256).
 PREFILL_LARGE_HEAD = LaunchConfig(block_m=64, tile_size=32, num_warps=8, num_stages=2)
 # Short queries with split KV (a span hit's final prompt): every q-block reads and turns
-# every key of its segment, so few, large q-blocks win. H200, 33 queries over 10k / 40k
+# every key of its split, so few, large q-blocks win. H200, 33 queries over 10k / 40k
 # keys (bench_kernel --short-sweep): 0.18 / 0.65 ms against 0.54 / 2.04 ms for DECODE_2D's
 # 4-token q-blocks.
 SHORT_SPLIT = LaunchConfig(block_m=128, tile_size=64, num_warps=8, num_stages=3, prefetch=True)
 # Batches whose longest query is at least this many tokens launch PREFILL.
 PREFILL_MIN_QUERY_LEN = 128
-NUM_SEGMENTS = 16
+NUM_SPLITS = 16
 # A 2D launch of fewer programs than this leaves SMs idle (vLLM's MIN_LAUNCH_GRID_SIZE_2D).
 MIN_GRID_2D = 128
 # Tokens of short-query batches that may split KV: minipic's builder sizes the buffers so.
@@ -519,9 +519,9 @@ def unified_attention_rope(
     cos_sin: torch.Tensor,
     rotary_dim: int,
     is_neox_style: bool,
-    segm_output: torch.Tensor | None = None,
-    segm_max: torch.Tensor | None = None,
-    segm_expsum: torch.Tensor | None = None,
+    split_output: torch.Tensor | None = None,
+    split_max: torch.Tensor | None = None,
+    split_expsum: torch.Tensor | None = None,
     seq_threshold_3d: int | None = None,
     config: LaunchConfig | None = None,
     span_of: torch.Tensor | None = None,
@@ -561,10 +561,10 @@ def unified_attention_rope(
     num_seqs = seqused_k.shape[0]
     queries_per_kv = num_q_heads // num_kv_heads
 
-    use_3d = segm_output is not None and seq_threshold_3d is not None and (
+    use_3d = split_output is not None and seq_threshold_3d is not None and (
         _split_decode(max_seqlen_q, num_seqs, seq_threshold_3d)
         or _split_short_queries(max_seqlen_q, num_tokens, num_seqs, queries_per_kv,
-                                num_kv_heads, segm_output.shape[0]))
+                                num_kv_heads, split_output.shape[0]))
     if config is None:
         config = choose_config(max_seqlen_q, use_3d, head_size)
     block_m = max(config.block_m, triton.next_power_of_2(queries_per_kv))
@@ -575,10 +575,10 @@ def unified_attention_rope(
     pass_size = head_size - rotary_dim
 
     if use_3d:
-        num_segments = segm_output.shape[2]
-        grid = (num_q_blocks, num_kv_heads, num_segments)
+        num_splits = split_output.shape[2]
+        grid = (num_q_blocks, num_kv_heads, num_splits)
     else:
-        num_segments = 1
+        num_splits = 1
         grid = (num_q_blocks, num_kv_heads)
     has_span_tables = _check_span_tables(span_of, context_pos, frame_offset, links_end,
                                          link_tokens, num_seqs)
@@ -593,7 +593,7 @@ def unified_attention_rope(
         links_end if has_span_tables else seqused_k,
         link_tokens if has_span_tables else seqused_k,
         quiet_bits if has_quiet else seqused_k,
-        segm_output, segm_max, segm_expsum,
+        split_output, split_max, split_expsum,
         softmax_scale * _LOG2E, num_seqs,
         block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
@@ -612,7 +612,7 @@ def unified_attention_rope(
         IS_NEOX=is_neox_style,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        NUM_SEGMENTS=num_segments,
+        NUM_SPLITS=num_splits,
         IS_3D=use_3d,
         PREFETCH=config.prefetch,
         HAS_SPAN_TABLES=has_span_tables,
@@ -622,14 +622,14 @@ def unified_attention_rope(
         num_stages=config.num_stages,
     )
     if use_3d:
-        _reduce_segments[(num_tokens, num_q_heads)](
-            out, segm_output, segm_max, segm_expsum, seqused_k, cu_seqlens_q, num_seqs,
+        _reduce_splits[(num_tokens, num_q_heads)](
+            out, split_output, split_max, split_expsum, seqused_k, cu_seqlens_q, num_seqs,
             out.stride(0), out.stride(1),
             NUM_QUERY_HEADS=num_q_heads,
             TILE_SIZE=config.tile_size,
             HEAD_SIZE=head_size,
             HEAD_SIZE_PADDED=head_size_padded,
-            NUM_SEGMENTS=num_segments,
+            NUM_SPLITS=num_splits,
         )
     return out
 
@@ -697,14 +697,14 @@ def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor |
     return True
 
 
-def segment_buffers(max_tokens: int, num_q_heads: int, head_size: int,
+def split_kv_buffers(max_tokens: int, num_q_heads: int, head_size: int,
                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split-KV scratch shaped like vLLM's Triton builder allocates it (tests, benchmarks)."""
     padded = triton.next_power_of_2(head_size)
     f32 = dict(dtype=torch.float32, device=device)
-    return (torch.empty(max_tokens, num_q_heads, NUM_SEGMENTS, padded, **f32),
-            torch.empty(max_tokens, num_q_heads, NUM_SEGMENTS, **f32),
-            torch.empty(max_tokens, num_q_heads, NUM_SEGMENTS, **f32))
+    return (torch.empty(max_tokens, num_q_heads, NUM_SPLITS, padded, **f32),
+            torch.empty(max_tokens, num_q_heads, NUM_SPLITS, **f32),
+            torch.empty(max_tokens, num_q_heads, NUM_SPLITS, **f32))
 
 
 def default_softmax_scale(head_size: int) -> float:

@@ -64,7 +64,7 @@ def new_builder(monkeypatch, kind: str):
     monkeypatch.setattr(stock, "build", lambda self, *args, **kwargs: SimpleNamespace())
     built = object.__new__(ours)
     built.block_size, built.device = BLOCK, torch.device("cpu")
-    built.segments, built.seq_threshold_3d = ("scratch",), 8
+    built.split_kv_scratch, built.seq_threshold_3d = ("scratch",), 8
     built.use_flash_rows = kind == "flash"  # __init__ would add: FA3 and the option
     return built
 
@@ -123,7 +123,7 @@ def test_a_link_batch_gets_its_tables_shifts_and_key_turns(kernel_builder, monke
     # K: the same, and the task past the links at its logical position (two link blocks)
     assert same_turns(md.minipic_key_turn,
                       [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [2 * BLOCK] * 10 + [BLOCK] * 3)
-    assert md.minipic_segments == ("scratch",) and md.minipic_seq_threshold_3d == 8
+    assert md.minipic_split_kv_scratch == ("scratch",) and md.minipic_seq_threshold_3d == 8
 
 
 def test_flash_attention_gets_a_link_batch_as_rows(monkeypatch):

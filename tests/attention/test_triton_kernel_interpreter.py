@@ -124,16 +124,16 @@ def _run_case(name: str) -> float:
         "PREFILL_SMALL": tk.LaunchConfig(block_m=32, tile_size=16),
         "PREFETCH": tk.LaunchConfig(block_m=16, tile_size=16, prefetch=True),
     }[opts.get("config")]
-    segm = {}
+    split = {}
     if opts.get("split_kv"):
-        buffers = tk.segment_buffers(case.q.shape[0], case.q.shape[1], case.q.shape[2], "cpu")
-        segm = dict(zip(("segm_output", "segm_max", "segm_expsum"), buffers),
+        buffers = tk.split_kv_buffers(case.q.shape[0], case.q.shape[1], case.q.shape[2], "cpu")
+        split = dict(zip(("split_output", "split_max", "split_expsum"), buffers),
                     seq_threshold_3d=8)
     tk.unified_attention_rope(
         case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
-        is_neox_style=case.is_neox, config=config, **_span_tables(case), **segm)
+        is_neox_style=case.is_neox, config=config, **_span_tables(case), **split)
     return relative_error(out, reference_attention(case))
 
 
@@ -210,7 +210,7 @@ def _span_metadata(case, query):
         causal=True, mm_prefix_range_tensor=None, minipic_tables=case.layout,
         minipic_span_block_size=case.block_size, minipic_token_shift=None,
         minipic_quiet_bits=None,
-        minipic_segments=tk.segment_buffers(64, query.shape[1], query.shape[2], "cpu"),
+        minipic_split_kv_scratch=tk.split_kv_buffers(64, query.shape[1], query.shape[2], "cpu"),
         minipic_seq_threshold_3d=8)
 
 
@@ -379,7 +379,7 @@ def _run_backend_mask_markers() -> float | str:
             mm_prefix_range_tensor=None)
         builder = object.__new__(fb.MiniPICFlashMetadataBuilder)
         builder.block_size, builder.device = bs, torch.device("cpu")
-        builder.segments = tk.segment_buffers(64, 4, dim, "cpu")
+        builder.split_kv_scratch = tk.split_kv_buffers(64, 4, dim, "cpu")
         builder.seq_threshold_3d = 8
         builder.use_flash_rows = True  # FlashAttention's default: quiet keys take the kernel
         fb.current_layout = lambda num_reqs, block_size, max_seq_len: layout

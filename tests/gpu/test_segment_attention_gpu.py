@@ -48,13 +48,13 @@ def run_rows(case):
 
 def run_kernel(case):
     out = torch.full_like(case.q, float("nan"))
-    segm = tk.segment_buffers(tk.SPLIT_KV_MAX_TOKENS, case.q.shape[1], case.q.shape[2], "cuda")
+    split = tk.split_kv_buffers(tk.SPLIT_KV_MAX_TOKENS, case.q.shape[1], case.q.shape[2], "cuda")
     tk.unified_attention_rope(
         case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
-        is_neox_style=case.is_neox, segm_output=segm[0], segm_max=segm[1],
-        segm_expsum=segm[2], seq_threshold_3d=16,
+        is_neox_style=case.is_neox, split_output=split[0], split_max=split[1],
+        split_expsum=split[2], seq_threshold_3d=16,
         **tk.span_table_args(case.layout, case.block_size))
     torch.cuda.synchronize()
     return out

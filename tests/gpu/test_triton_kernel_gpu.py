@@ -39,14 +39,14 @@ SEQ_THRESHOLD_3D = 16
 
 def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D, buffer_tokens=None):
     out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
-    segm = tk.segment_buffers(buffer_tokens or max(threshold, 1), case.q.shape[1],
+    split = tk.split_kv_buffers(buffer_tokens or max(threshold, 1), case.q.shape[1],
                               case.q.shape[2], "cuda")
     tk.unified_attention_rope(
         case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
-        is_neox_style=case.is_neox, segm_output=segm[0], segm_max=segm[1],
-        segm_expsum=segm[2], seq_threshold_3d=threshold, config=config, **span_tables(case))
+        is_neox_style=case.is_neox, split_output=split[0], split_max=split[1],
+        split_expsum=split[2], seq_threshold_3d=threshold, config=config, **span_tables(case))
     torch.cuda.synchronize()
     return out
 
@@ -139,7 +139,7 @@ def test_equals_stock_vllm_on_prerotated_keys(batch):
     ref = reference_attention(case)
     ours = run_minipic(case)
     theirs = torch.full_like(case.q, float("nan"))
-    segm = tk.segment_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
+    split = tk.split_kv_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
     ones = torch.ones(1, device="cuda").expand(len(query_lens), 8)
     stock.unified_attention(
         q=case.q, k=case.rotated_k_cache(), v=case.v_cache, out=theirs,
@@ -147,8 +147,8 @@ def test_equals_stock_vllm_on_prerotated_keys(batch):
         seqused_k=case.seq_lens, max_seqlen_k=case.max_seqlen_k, softmax_scale=case.scale,
         causal=True, window_size=(-1, -1), block_table=case.block_table, softcap=0,
         q_descale=None, k_descale=ones, v_descale=ones, seq_threshold_3D=SEQ_THRESHOLD_3D,
-        num_par_softmax_segments=tk.NUM_SEGMENTS, softmax_segm_output=segm[0],
-        softmax_segm_max=segm[1], softmax_segm_expsum=segm[2])
+        num_par_softmax_segments=tk.NUM_SPLITS, softmax_segm_output=split[0],
+        softmax_segm_max=split[1], softmax_segm_expsum=split[2])
     torch.cuda.synchronize()
     err_ours, err_stock = relative_error(ours, ref), relative_error(theirs, ref)
     assert err_ours < TOLERANCE[torch.bfloat16]
@@ -159,14 +159,14 @@ def test_equals_stock_vllm_on_prerotated_keys(batch):
 def captured_decode(case, out: torch.Tensor, **span_tables) -> tuple:
     """A decode launch (32 q heads, head size 128, bf16 case) compiled, then captured; returns
     the graph and the split-KV buffers it writes, which the caller must keep alive."""
-    segm = tk.segment_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
+    split = tk.split_kv_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
 
     def step():
         tk.unified_attention_rope(
             case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
             seqused_k=case.seq_lens, max_seqlen_q=1, block_table=case.block_table,
             softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=128, is_neox_style=True,
-            segm_output=segm[0], segm_max=segm[1], segm_expsum=segm[2],
+            split_output=split[0], split_max=split[1], split_expsum=split[2],
             seq_threshold_3d=SEQ_THRESHOLD_3D, **span_tables)
 
     step()  # compile outside the capture
@@ -174,7 +174,7 @@ def captured_decode(case, out: torch.Tensor, **span_tables) -> tuple:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph, segm
+    return graph, split
 
 
 def test_cuda_graph_replay_follows_new_lengths():
