@@ -539,8 +539,9 @@ def unified_attention_rope(
     owns tokens cu_seqlens_q[i]:cu_seqlens_q[i+1] and keys 0..seqused_k[i]-1
     (its cached prefix first), key j at position j. Decode batches of at
     most `seq_threshold_3d` requests, and short-query batches whose 2D grid would
-    be small, split KV over the static `segm_*` buffers (vLLM's Triton metadata
-    builder allocates them; minipic's enlarges them to SPLIT_KV_MAX_TOKENS).
+    be small, split KV over the static `split_*` buffers (split_kv_buffers: vLLM's
+    Triton metadata builder allocates them; minipic's enlarges them to
+    SPLIT_KV_MAX_TOKENS).
     Host-side work is shape arithmetic only, so the launch can be captured in a
     CUDA graph.
     `span_of`, `context_pos` and `frame_offset` [seqs, blocks] int32
