@@ -2,8 +2,9 @@
 
     tools/gpu_run.sh python3 tools/bench_decode.py --modes eager,compiled --out $OUT/decode
 
-Every request reads the same 4.3k-token context (a 64-token system prompt and 10 documents
-of 400 tokens) followed by a question of its own (90 tokens), then decodes. Stock vLLM gets
+Every request reads the same context (a 64-token system prompt and 10 documents of 400
+tokens: 4064 tokens as plain text) followed by a question of its own (90 tokens), then
+decodes. Stock vLLM gets
 the plain tokens (no markers); minipic the recipe's span prompt of the same words (default
 epic64: each document's first 64 tokens recomputed in context as link blocks), after the
 spans were prefilled once. Both serve the shared context from their prefix cache, so each
@@ -92,7 +93,12 @@ def engine_child(spec: dict) -> dict:
                                                     temperature=0.0, ignore_eos=True), "prof")
         llm.stop_profile()
     llm.llm_engine.engine_core.shutdown()
+    import torch
+    import vllm
+
     return {"engine": spec["name"], "mode": spec["mode"], "batch": spec["batch"],
+            "vllm": vllm.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
             "context_tokens": context, "counted_steps": len(steps),
             "median_step_ms": statistics.median(steps) * 1e3,
             "p90_step_ms": sorted(steps)[int(0.9 * len(steps))] * 1e3,
@@ -179,6 +185,7 @@ def save(args, rows: list[dict]) -> None:
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
               "minipic_vs_stock": ratios}
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -216,13 +216,13 @@ def sweep_launchers(step: Step, pool: KVPool, out: torch.Tensor) -> dict:
     """Tile-shape variants of minipic: prefill shapes, or decode shapes both split (3D) and not."""
     q, cu, lens, table = step.tensors(pool)
     decode = step.q_len == 1
-    big_segm = tk.split_kv_buffers(step.num_seqs, Q_HEADS, HEAD, "cuda")
+    big_split = tk.split_kv_buffers(step.num_seqs, Q_HEADS, HEAD, "cuda")
     variants = {}
     for c in DECODE_SWEEP if decode else SWEEP:
         for split in ((False, True) if decode else (False,)):
             name = (f"m{c.block_m}_t{c.tile_size}_w{c.num_warps}_s{c.num_stages}"
                     f"_p{int(c.prefetch)}" + ("_3d" if split else ""))
-            buffers = dict(zip(("split_output", "split_max", "split_expsum"), big_segm),
+            buffers = dict(zip(("split_output", "split_max", "split_expsum"), big_split),
                         seq_threshold_3d=step.num_seqs) if split else {}
             variants[name] = (lambda c=c, buffers=buffers: tk.unified_attention_rope(
                 q, pool.k_rot, pool.v, out, cu_seqlens_q=cu, seqused_k=lens,

@@ -47,7 +47,10 @@ def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Te
     own_turned = host_plan.joint is not None or bool(host_plan.own.query_turn.any())
     plan = host_plan.to(block_table.device)
     own, earlier = plan.own, plan.earlier
-    parts = ([own] if own_turned else []) + ([earlier] if earlier is not None else [])
+    if plan.joint is not None:  # its rows are own's, then earlier's
+        parts = [plan.joint]
+    else:
+        parts = ([own] if own_turned else []) + ([earlier] if earlier is not None else [])
     turn_index = turn = None
     if parts:
         turn_index = torch.cat([rows.query_index for rows in parts])

@@ -2,8 +2,9 @@
 
 Per layer a span batch on FlashAttention runs four launches: `turn_rows` (every row's
 queries gathered and turned back into the frame they read, one launch for both
-calls; the same kernel turns new keys into their frames before the cache write), the causal and the non-causal FlashAttention call, and `merge_rows` (each
-query token's rows merged by their log-sum-exp). In torch the turns and the merge
+calls), the causal and the non-causal FlashAttention call (one call for a decode
+batch), and `merge_rows` (each query token's rows merged by their log-sum-exp). The
+same turn kernel turns new keys into their frames before the cache write. In torch the turns and the merge
 take some thirty small launches a layer, which cost more than the attention itself
 on a short task after a hit.
 """
@@ -53,14 +54,16 @@ def turn_rows(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor
     rotation.Rotation's tables), in the query's dtype; index None: query[i], for the
     first cos.shape[0] tokens (the K turn before the cache write)."""
     rows, (_, heads, head_size) = cos.shape[0], query.shape
+    assert query.stride(-1) == 1, "the kernel reads each head's dims as one run"
     out = torch.empty(rows, heads, head_size, dtype=query.dtype, device=query.device)
     if rows == 0:
         return out
     half = rotary_dim // 2
     cos, sin = cos.contiguous(), sin.contiguous()
+    # Without an index the kernel never reads index_ptr: any pointer stands in for it.
     _turn_rows_kernel[(rows, heads)](
-        query, cos if index is None else index, cos, sin, out, query.stride(0), query.stride(1), out.stride(0),
-        out.stride(1), cos.stride(0), HEAD_SIZE=head_size, ROT_HALF=half,
+        query, cos if index is None else index, cos, sin, out, query.stride(0),
+        query.stride(1), out.stride(0), out.stride(1), cos.stride(0), HEAD_SIZE=head_size, ROT_HALF=half,
         HALF_PADDED=triton.next_power_of_2(half),
         PASS_PADDED=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
         IS_NEOX=is_neox_style, HAS_INDEX=index is not None)

@@ -1,4 +1,5 @@
-"""Worker side: a span batch as FlashAttention calls, one causal and one non-causal.
+"""Worker side: a span batch as FlashAttention calls, one causal and one non-causal
+(one for a decode batch).
 
 Keys are stored in their frames (span_layout.SpanLayout.frame_offset), and a score
 depends only on the difference of positions (R(a)R(b) = R(a+b)). So a query sees a

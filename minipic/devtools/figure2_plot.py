@@ -64,12 +64,13 @@ def plot(data: dict, path: Path, facts: dict) -> None:
                      [p["seconds"] for p in series["by_docs"]], "o-", label=label)
     for phase in (p for p in data.get("ttft", []) if "error" not in p):
         points = phase["points"]
-        axes[2].plot([p["docs"] for p in points], [p["median_ttft_s"] * 1e3 for p in points],
-                     "o-", label=phase_label(phase["phase"], stock))
-        if all("median_rerun_ttft_s" in p for p in points):
+        [line] = axes[2].plot([p["docs"] for p in points],
+                              [p["median_ttft_s"] * 1e3 for p in points], "o-",
+                              label=phase_label(phase["phase"], stock))
+        if all("median_rerun_ttft_s" in p for p in points):  # stock's colour, dashed
             axes[2].plot([p["docs"] for p in points],
                          [p["median_rerun_ttft_s"] * 1e3 for p in points], "o--",
-                         label=f"{stock}, its own full prefix hit")
+                         color=line.get_color(), label=f"{stock}, its own full prefix hit")
     titles = [("preload time vs prompt length (no spans)", "prompt tokens", "seconds"),
               ("preload time vs document count", "documents in one batch", "seconds"),
               ("TTFT vs cached documents", "documents in the final prompt", "median TTFT (ms)")]

@@ -172,3 +172,23 @@ def test_link_shifts_folded_into_the_turns(name):
     segment_attention(model_q, case.k_cache, case.v_cache, without, ready(case, plain),
                       functools.partial(paged_flash_reference, scale=case.scale))
     assert relative_error(without, reference_attention(case)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["spans_decode", "epic_hit_and_decode"])
+def test_another_block_table_moves_every_row_table(name):
+    """vLLM's update_block_table: the same batch over other physical blocks (the joint
+    call's table too) gives the same answer from the moved caches."""
+    from minipic.attention.segment_attention import with_block_table
+
+    case = build(name)
+    plan, out = run_plan(case)
+    blocks = case.k_cache.shape[0]
+    moved_to = torch.randperm(blocks, generator=torch.Generator().manual_seed(1))
+    k_moved, v_moved = torch.empty_like(case.k_cache), torch.empty_like(case.v_cache)
+    k_moved[moved_to], v_moved[moved_to] = case.k_cache, case.v_cache
+    table = moved_to[case.block_table.long()].to(case.block_table.dtype)
+    batch = with_block_table(ready(case, plan), table)
+    again = torch.empty_like(case.q)
+    segment_attention(case.q, k_moved, v_moved, again, batch,
+                      functools.partial(paged_flash_reference, scale=case.scale))
+    assert torch.allclose(again, out)

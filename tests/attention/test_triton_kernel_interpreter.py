@@ -59,7 +59,7 @@ CASES = {
     "segments_split_kv_fp32": (dict(query_lens=[1, 1], context_lens=[40, 20], num_q_heads=4,
                                     num_kv_heads=2, head_size=32, dtype="float32",
                                     markers=["-SS", "-S"]), {"split_kv": True}),
-    # the same, split: span queries see no key in the earlier KV segments
+    # the same, split: span queries see no key in the earlier KV splits
     "segments_short_split_kv_fp16": (dict(query_lens=[60, 1], context_lens=[0, 40],
                                           num_q_heads=4, num_kv_heads=2, head_size=64,
                                           markers=["-S-P", "-S-"]), {"split_kv": True}),
