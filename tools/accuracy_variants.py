@@ -13,8 +13,10 @@ Variants:
   layout_causal    Block-Attention's prompt (markers, padding), causal: what markers and
                    padding alone cost
   block_attention  Block-Attention: every document alone, the task sees all
-  epicK            EPIC with K recomputed blocks per document (links take no room)
-  epicK_header     the same, every document computed after the header (as if prefilled
+  epic, epic2,     EPIC as the server's recipes of those names build it (one and two
+  epic64           recomputed blocks per document, and 64 tokens' worth); epic1 is epic,
+                   the name earlier screens were recorded under (links take no room)
+  epic_header     the same, every document computed after the header (as if prefilled
                    right after it, then reused anywhere): each span query also sees a
                    copy of the header, placed so that its distance to the span is the one
                    a prefill of [header][document] gives
@@ -39,7 +41,6 @@ epic1_noroom=docs/results/accuracy/links_no_room/records-epic-noroom.jsonl.gz).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -52,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minipic.attention.span_layout import span_layout, visible_keys  # noqa: E402
-from minipic.client.prompts.recipes import block_attention, epic  # noqa: E402
+from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.smollm2 import smollm2_model_dir, smollm2_protocol  # noqa: E402
 from minipic.devtools.synthetic_qa import chat_parts, encode, make_questions  # noqa: E402
 from minipic.protocol import SpanProtocol  # noqa: E402
@@ -150,8 +151,7 @@ def build(variant: str, question, tokenizer, protocol: SpanProtocol) -> Layout:
     if base_name == "stock":
         return causal(encode(tokenizer, header) + [t for d in docs for t in encode(tokenizer, d)]
                       + encode(tokenizer, task))
-    recipe = block_attention if base_name in ("layout_causal", "block_attention") else \
-        functools.partial(epic, recompute_blocks=int(base_name[4:]))
+    recipe = recipe_of(base_name)
     prompt = recipe(docs, task, protocol=protocol, block_size=BLOCK, system=header,
                     tokenizer=tokenizer)
     if base_name == "layout_causal":
@@ -163,6 +163,16 @@ def build(variant: str, question, tokenizer, protocol: SpanProtocol) -> Layout:
     if "quiet" in modifiers or "noroom" in modifiers:
         built = quiet(built, protocol, no_room="noroom" in modifiers, sink="sink" in modifiers)
     return built
+
+
+def recipe_of(base_name: str):
+    """A variant's prompt recipe: the server's recipe of that name (RECIPES_BY_NAME), the
+    names meaning here what they mean there; layout_causal builds Block-Attention's."""
+    name = {"epic1": "epic", "layout_causal": "block_attention"}.get(base_name, base_name)
+    if name not in RECIPES_BY_NAME:
+        raise SystemExit(f"unknown variant {base_name!r}: stock, layout_causal or a recipe "
+                         f"({', '.join(RECIPES_BY_NAME)}; epic1 is epic), then modifiers")
+    return RECIPES_BY_NAME[name]
 
 
 def additive_mask(allowed: torch.Tensor) -> torch.Tensor:
