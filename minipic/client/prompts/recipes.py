@@ -130,7 +130,7 @@ def epic(docs: Sequence[TextOrTokens], task: TextOrTokens, *, protocol: SpanProt
 
 
 # The tokens of each document EPIC recomputes by default: on SmolLM2-135M one 32-token block
-# stayed 10 points below full prefill, 64 tokens within 2.6 (docs/accuracy.md). Counted in
+# stayed 10 points below full prefill, 64 tokens within 3.6 (docs/accuracy.md). Counted in
 # tokens, not blocks: at vLLM's 16-token GPU blocks two blocks would be 32 tokens again.
 ACCURATE_RECOMPUTE_TOKENS = 64
 
