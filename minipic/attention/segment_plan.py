@@ -243,16 +243,14 @@ class _QueryRuns:
         run, block = np.nonzero(other_frames)  # by run, then block
         if run.size == 0:
             return None
-        turns = turn[run, block]
+        turns = turn[other_frames]  # the same order as nonzero's
         # A row per stretch of one run's blocks in one frame (a cached span's tail): any
         # split of a run's keys into rows is exact, the merge sums them.
         new_row = np.ones(run.size, dtype=bool)
         new_row[1:] = (run[1:] != run[:-1]) | (turns[1:] != turns[:-1])
-        row_of = np.cumsum(new_row) - 1
         heads = np.flatnonzero(new_row)
         counts = np.diff(heads, append=run.size)
-        table = np.zeros((heads.size, counts.max()), dtype=np.int64)
-        table[row_of, np.arange(block.size) - heads[row_of]] = block
+        table = _filled_rows(counts, block)
         row_run = run[heads]
         lengths = self.length[row_run]
         offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
@@ -267,10 +265,15 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 def _packed_table(taken: np.ndarray) -> np.ndarray:
     """[rows, width]: each row's taken blocks, in order, then zeros."""
-    row, block = np.nonzero(taken)
-    counts = taken.sum(axis=1)
-    table = np.zeros((taken.shape[0], counts.max()), dtype=np.int64)
-    table[row, np.arange(row.size) - np.repeat(np.cumsum(counts) - counts, counts)] = block
+    blocks = np.broadcast_to(np.arange(taken.shape[1]), taken.shape)[taken]
+    return _filled_rows(taken.sum(axis=1), blocks)
+
+
+def _filled_rows(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """[rows, max(counts)]: row i holds the next counts[i] of `values`, then zeros (a
+    boolean mask fills in row order: no index arithmetic per value)."""
+    table = np.zeros((counts.size, counts.max()), dtype=np.int64)
+    table[np.arange(table.shape[1]) < counts[:, None]] = values
     return table
 
 
