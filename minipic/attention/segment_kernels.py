@@ -4,9 +4,9 @@ Per layer a span batch on FlashAttention runs four launches: `turn_rows` (every 
 queries gathered and turned back into the frame they read, one launch for both
 calls), the causal and the non-causal FlashAttention call (one call for a decode
 batch), and `merge_rows` (each query token's rows merged by their log-sum-exp). The
-same turn kernel turns new keys into their frames before the cache write. In torch the turns and the merge
-take some thirty small launches a layer, which cost more than the attention itself
-on a short task after a hit.
+same turn kernel turns new keys into their frames before the cache write. In torch
+the turns and the merge take some thirty small launches a layer, which cost more
+than the attention itself on a short task after a hit.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def turn_rows(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor
     # Without an index the kernel never reads index_ptr: any pointer stands in for it.
     _turn_rows_kernel[(rows, heads)](
         query, cos if index is None else index, cos, sin, out, query.stride(0),
-        query.stride(1), out.stride(0), out.stride(1), cos.stride(0), HEAD_SIZE=head_size, ROT_HALF=half,
-        HALF_PADDED=triton.next_power_of_2(half),
+        query.stride(1), out.stride(0), out.stride(1), cos.stride(0), HEAD_SIZE=head_size,
+        ROT_HALF=half, HALF_PADDED=triton.next_power_of_2(half),
         PASS_PADDED=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
         IS_NEOX=is_neox_style, HAS_INDEX=index is not None)
     return out

@@ -231,7 +231,8 @@ class _QueryRuns:
         """One causal row per run: the earlier blocks in its own frame, then its segment
         up to its last query (every query token once, in batch order)."""
         last = (self.end - 1) // self.block_size
-        own = (self.block[None, :] >= self.segment[:, None]) & (self.block[None, :] <= last[:, None])
+        own = ((self.block[None, :] >= self.segment[:, None])
+               & (self.block[None, :] <= last[:, None]))
         key_lens = same_frame.sum(axis=1) * self.block_size + self.end \
             - self.segment * self.block_size
         return _RowParts(np.arange(self.length.sum()), np.repeat(self.own_turn(turn), self.length),

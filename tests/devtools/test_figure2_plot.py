@@ -9,7 +9,8 @@ def test_phases_get_the_names_users_know():
     assert phase_label("gpu-hit", stock) == "minipic, GPU hit"
     assert phase_label("disk-warm-t16-p16", stock) == \
         "minipic, from disk (page cache warm; 16 threads, 16 processes)"
-    assert phase_label("disk-cold-t4", stock) == "minipic, from disk (page cache dropped; 4 threads)"
+    assert phase_label("disk-cold-t4", stock) == \
+        "minipic, from disk (page cache dropped; 4 threads)"
 
 
 def test_facts_of_a_run_and_of_runs_merged_per_part():
