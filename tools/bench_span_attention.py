@@ -34,7 +34,8 @@ import torch
 from minipic.attention import triton_kernel as tk
 from minipic.attention.segment_attention import prepare, segment_attention, vllm_flash_rows
 from minipic.attention.segment_plan import segment_plan
-from minipic.devtools.paged_attention_case import epic_markers, marker_layout, relative_error, rope_table
+from minipic.devtools.paged_attention_case import (epic_markers, marker_layout, relative_error,
+                                                   rope_table)
 
 Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -102,8 +102,9 @@ class SpanBatchBuilder:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # vLLM's Triton rule: a decode batch of fewer requests than this splits its KV.
         self.seq_threshold_3d = MIN_GRID_2D // self.num_heads_kv
-        self.split_kv_scratch = split_kv_buffers(max(SPLIT_KV_MAX_TOKENS, self.seq_threshold_3d),
-                                        self.num_heads_q, self.headdim, device)
+        self.split_kv_scratch = split_kv_buffers(
+            max(SPLIT_KV_MAX_TOKENS, self.seq_threshold_3d), self.num_heads_q, self.headdim,
+            device)
         from minipic.config import span_attention
 
         # FA3 only: FA2's varlen LSE for GQA decodes (its swapped query groups) is untested

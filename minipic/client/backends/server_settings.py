@@ -36,7 +36,8 @@ class ServerSettings:
     def from_json(cls, data: dict[str, Any]) -> "ServerSettings":
         return cls(block_size=int(data["block_size"]),
                    protocol=SpanProtocol.from_dict(data["span_protocol"]),
-                   max_model_len=data.get("max_model_len"), recipe=data.get("recipe", DEFAULT_SERVER_RECIPE))
+                   max_model_len=data.get("max_model_len"),
+                   recipe=data.get("recipe", DEFAULT_SERVER_RECIPE))
 
     def check_overrides(self, block_size: int | None, protocol: SpanProtocol | None) -> None:
         if block_size is not None and block_size != self.block_size:

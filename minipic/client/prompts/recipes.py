@@ -80,13 +80,17 @@ def epic_link(span: Sequence[int], recompute_blocks: int, protocol: SpanProtocol
 def recomputed_blocks(recompute_blocks: Any, recompute_tokens: Any, block_size: int) -> int:
     """The link blocks per document EPIC recomputes: `recompute_blocks`, or the blocks
     that hold `recompute_tokens`, or 1; giving both is refused (which would win?)."""
+    refuse_both_amounts(recompute_blocks, recompute_tokens)
+    if recompute_tokens is not None:
+        return blocks_for_tokens(recompute_tokens, block_size)
+    return 1 if recompute_blocks is None else recompute_blocks
+
+
+def refuse_both_amounts(recompute_blocks: Any, recompute_tokens: Any) -> None:
     if recompute_blocks is not None and recompute_tokens is not None:
         raise SpanPromptError(
             f"give recompute_blocks ({recompute_blocks!r}) or recompute_tokens "
             f"({recompute_tokens!r}), not both")
-    if recompute_tokens is not None:
-        return blocks_for_tokens(recompute_tokens, block_size)
-    return 1 if recompute_blocks is None else recompute_blocks
 
 
 def blocks_for_tokens(recompute_tokens: Any, block_size: int) -> int:

@@ -33,7 +33,7 @@ from minipic.client.prompts.document_spans import DEFAULT_SPAN_TOKENS, document_
 from minipic.client.rag.isps import InterleavedScheduler
 from minipic.client.preload.manifest import Manifest, ManifestError
 from minipic.client.rag.request import RagRequest, RagResult
-from minipic.client.prompts.recipes import RECIPES_BY_NAME, epic
+from minipic.client.prompts.recipes import RECIPES_BY_NAME, epic, refuse_both_amounts
 from minipic.config import DEFAULT_SERVER_RECIPE
 from minipic.client.prompts.span_prompt import SpanPrompt, SpanPromptError
 from minipic.protocol import SpanProtocol
@@ -68,8 +68,7 @@ class RagClient:
                                        ("recompute_blocks", recompute_blocks)) if v is not None}
         if overrides and recipe == "block_attention":
             raise SpanPromptError(f"{', '.join(overrides)}: block_attention recomputes nothing")
-        if len(overrides) > 1:
-            raise SpanPromptError("give recompute_blocks or recompute_tokens, not both")
+        refuse_both_amounts(recompute_blocks, recompute_tokens)
         self.recipe, self.overrides = recipe, overrides
         self.backend = backend
         self.system = system
