@@ -21,7 +21,8 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |                                                  |             | ropes cached for another engine       |
 |                                                  |             | (model_executor.layers.rotary_embedding._ROPE_DICT) |
 | v1.worker.gpu.model_runner.GPUModelRunner        | worker      | same for Model Runner V2, plus the    |
-|   .__init__ and .prepare_inputs                  |             | batch's rows of that table            |
+|   .__init__, .prepare_inputs and .add_requests   |             | batch's rows of that table and a host |
+|                                                  |             | copy of each prompt (host_prompts.py) |
 | v1.engine.input_processor.InputProcessor         | front end   | refuse a prompt whose SSep/PDep/link  |
 |   ._validate_model_input                         | (API / LLM) | is not at a block start, or whose     |
 |                                                  |             | links lack their spans (HTTP 400)     |
@@ -52,7 +53,9 @@ versions, worker process unless said otherwise):
 | V1 runner .input_batch.token_ids_cpu_tensor,      | attention/            | marker blocks of each    |
 |   .num_prompt_tokens                              |   span_layout.py      | request (prompt part)    |
 | MRV2 runner .req_states.all_token_ids.gpu,        | attention/            | same on Model Runner V2, |
-|   .prompt_len.gpu; prepare_inputs' idx_mapping    |   span_layout.py      | rows of the batch        |
+|   .prompt_len.gpu (mask_markers), .req_id_to_index; |   span_layout.py    | rows of the batch        |
+|   prepare_inputs' idx_mapping, .idx_mapping_np;   |                       |                          |
+|   scheduled_new_reqs' .req_id, .prompt_token_ids  | _vllm_patches.py      | host copies of prompts   |
 | RotaryEmbedding ._compute_cos_sin_cache,          | attention/rope.py     | fp32 cos/sin table for   |
 |   .head_size, .rotary_dim, .is_neox_style,        |                       | attention                |
 |   .scaling_factors                                |                       |                          |
@@ -303,12 +306,33 @@ def _patch_model_runner_v2() -> None:
             if is_enabled(self.vllm_config):
                 from minipic.attention.span_layout import note_mrv2_batch
 
-                note_mrv2_batch(input_batch.idx_mapping)
+                note_mrv2_batch(input_batch.idx_mapping,
+                                getattr(input_batch, "idx_mapping_np", None))
             return input_batch
         return prepare_inputs
 
+    def make_add_requests(original):
+        def add_requests(self, scheduler_output, *args, **kwargs):
+            original(self, scheduler_output, *args, **kwargs)
+            if is_enabled(self.vllm_config):
+                _note_host_prompts(self, scheduler_output)
+        return add_requests
+
     _wrap(model_runner.GPUModelRunner, "__init__", _register_runner_after_init)
     _wrap(model_runner.GPUModelRunner, "prepare_inputs", make_prepare_inputs)
+    _wrap(model_runner.GPUModelRunner, "add_requests", make_add_requests)
+
+
+def _note_host_prompts(runner, scheduler_output) -> None:
+    """MRV2 added requests: their prompts on the host, by row, for the span layout
+    (attention.host_prompts)."""
+    from minipic.attention.host_prompts import HostPrompts
+
+    prompts = getattr(runner, "minipic_host_prompts", None)
+    if prompts is None:
+        prompts = runner.minipic_host_prompts = HostPrompts()
+    for new in scheduler_output.scheduled_new_reqs:
+        prompts.add(runner.req_states.req_id_to_index[new.req_id], new.prompt_token_ids)
 
 
 def _patch_prompt_validation() -> None:

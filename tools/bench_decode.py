@@ -70,7 +70,8 @@ def engine_child(spec: dict) -> dict:
     if spec["name"] == "minipic":
         kwargs["additional_config"] = {"minipic": spec["markers"]}
     if spec.get("profile_dir"):
-        kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_with_stack": False,
+        kwargs["profiler_config"] = {"profiler": "torch",
+                                     "torch_profiler_with_stack": spec["profile_stack"],
                                      "torch_profiler_dir": spec["profile_dir"]}
     llm = LLM(**kwargs)
     load = json.loads(Path(spec["prompts"]).read_text())
@@ -154,6 +155,10 @@ def main() -> None:
     parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default=DEFAULT_SERVER_RECIPE)
     parser.add_argument("--profile-dir", type=Path,
                         help="also trace one more round of a few steps per engine (torch profiler)")
+    parser.add_argument("--profile-stack", action="store_true",
+                        help="the traces record Python stacks (where host time goes; slower)")
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help="stock,minipic (one of them: its row only, no ratio)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.child:
@@ -161,16 +166,19 @@ def main() -> None:
         return
     if args.out is None:
         parser.error("--out is required")
+    if not set(args.engines.split(",")) <= set(ENGINES):
+        parser.error(f"--engines: one or both of {', '.join(ENGINES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-decode-"))
     model, engine, markers = make_model(args.arch, work)
     (work / "prompts.json").write_text(json.dumps(prompts(args, markers, engine["block_size"])))
     rows = []
     for mode in args.modes.split(","):
-        for name in ENGINES:
+        for name in args.engines.split(","):
             spec = dict(name=name, mode=mode, model=model, engine=engine, markers=markers,
                         prompts=str(work / "prompts.json"), batch=args.batch, steps=args.steps,
-                        profile_dir=args.profile_dir and str(args.profile_dir))
+                        profile_dir=args.profile_dir and str(args.profile_dir),
+                        profile_stack=args.profile_stack)
             rows.append(run_child(spec, work))
             print(json.dumps(rows[-1]), flush=True)
             save(args, rows)  # a run cut at its time limit keeps what finished

@@ -37,6 +37,8 @@ def token_turns(amounts: torch.Tensor | None, device: torch.device) -> Rotation 
     if amounts is None:
         return None
     rope = current_rope()
+    if torch.device(device).type == "cuda" and amounts.device.type == "cpu":
+        amounts = amounts.pin_memory()  # a pageable copy would wait for the GPU
     return Rotation.back(amounts.to(device, non_blocking=True), rope.cos_sin(device),
                          rope.rotary_dim, rope.is_neox_style)
 

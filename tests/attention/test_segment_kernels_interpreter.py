@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# (make_case kwargs): neox fp32, GPT-J with partial rotary fp16
+# (make_case kwargs): neox fp32, 6 heads, GPT-J with partial rotary fp16
 CASES = {
     "neox_fp32": dict(num_q_heads=4, num_kv_heads=2, head_size=32, dtype="float32"),
+    # a head count off the power of two: the kernels' masked head lanes
+    "neox_6_heads_fp32": dict(num_q_heads=6, num_kv_heads=3, head_size=32, dtype="float32"),
     "gptj_partial_fp16": dict(num_q_heads=4, num_kv_heads=1, head_size=64, rotary_dim=32,
                               is_neox=False, dtype="float16"),
 }

@@ -54,7 +54,11 @@ RUNS = {
     # span batches on minipic's Triton kernel instead of FlashAttention rows
     "on_spans_triton": dict(enforce_eager=True,
                             additional_config={"minipic": {**MARKERS, "span_attention": "triton"}}),
+    # the V1 model runner: span layouts from its host token table, where Model Runner V2
+    # (vLLM 0.25's default) reads them from minipic's host copy of the prompts
+    "on_v1_runner": dict(enforce_eager=True, additional_config=MINIPIC),
 }
+RUN_ENV = {"on_v1_runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 BLOCK_SIZE = 16  # vLLM's default on CUDA
 
 
@@ -192,7 +196,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     for run in chosen.split(",") if chosen else RUNS:
         out = root / f"{run}.json"
         proc = subprocess.run([sys.executable, __file__, run, str(model_dir), str(out)],
-                              env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+                              env={**env, **RUN_ENV.get(run, {})}, cwd=REPO, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{run} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         results[run] = json.loads(out.read_text())
         if report:  # after every run, so a cut-short session keeps what finished
@@ -212,6 +216,9 @@ def _summary(results: dict) -> dict:
         flash = results.get(run, {}).get("spans")
         if kernel and flash:
             summary[f"spans_{run}_vs_on_spans_triton"] = _compare(kernel, flash)
+    if "on_v1_runner" in results and "on_eager" in results:
+        summary["spans_on_eager_vs_on_v1_runner"] = _compare(results["on_v1_runner"]["spans"],
+                                                             results["on_eager"]["spans"])
     return summary
 
 
@@ -278,6 +285,18 @@ def test_logprobs_match_minipic_off(runs, run):
     # A wrong rotation is far outside both: logprobs spread by about 1.3 here.
     assert s["prompt_lp_mean_abs_diff"] < 0.1 * s["prompt_lp_std_across_positions"], s
     assert any(n > 0 for n in s["cached_tokens_on"]), "second round never hit the prefix cache"
+
+
+def test_span_layouts_from_host_prompts_match_the_v1_runner(runs):
+    """Model Runner V2 builds span layouts from minipic's host copy of each prompt; the V1
+    runner from its own token table. The same span prompts (hits and full prefills) give
+    the same answers, as closely as two stock backends agree on plain prompts."""
+    _need(runs, "on_eager", "on_v1_runner", "off_eager", "off_triton")
+    noise = _compare(runs["off_eager"], runs["off_triton"])
+    s = _compare(runs["on_v1_runner"]["spans"], runs["on_eager"]["spans"])
+    assert s["prompt_lp_mean_abs_diff"] < 2 * noise["prompt_lp_mean_abs_diff"] + 0.01, (s, noise)
+    assert s["prompt_lp_p99_abs_diff"] < 2 * noise["prompt_lp_p99_abs_diff"] + 0.05, (s, noise)
+    assert runs["on_eager"]["span_paths"]["rows"] > 0
 
 
 if __name__ == "__main__":

@@ -86,3 +86,23 @@ def test_rows_on_fa3_match_reference_and_kernel(name, dtype):
 def test_head_shapes(num_q_heads, num_kv_heads, head_size):
     case = build("epic_hit_and_decode", torch.bfloat16, num_q_heads, num_kv_heads, head_size)
     assert relative_error(run_rows(case), reference_attention(case)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_key_turn_before_the_cache_write_matches_torch(dtype):
+    """New keys turned into their frames in one Triton launch (links.turn_back_tokens on
+    CUDA), read from rows as strided as the model's fused QKV output, as torch turns them."""
+    from minipic.attention.rotation import Rotation
+    from minipic.attention.segment_kernels import turn_rows
+
+    case = build("spans_mixed", dtype)
+    tokens, kv_heads, head_size = 300, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qkv = torch.randn(tokens + 5, (32 + 2 * kv_heads) * head_size, generator=gen,
+                      device="cuda").to(dtype)
+    key = qkv[:, 32 * head_size: (32 + kv_heads) * head_size].view(-1, kv_heads, head_size)
+    amounts = torch.randint(0, case.cos_sin.shape[0], (tokens,), generator=gen, device="cuda")
+    turn = Rotation.back(amounts, case.cos_sin, case.rotary_dim, case.is_neox)
+    ours = turn_rows(key, None, turn.cos, turn.sin, case.rotary_dim, case.is_neox)
+    expected = turn.apply(key[:tokens]).to(dtype)
+    assert relative_error(ours, expected) < TOLERANCE[dtype] / 10
