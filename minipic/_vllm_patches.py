@@ -327,10 +327,11 @@ def _note_host_prompts(runner, scheduler_output) -> None:
     """MRV2 added requests: their prompts on the host, by row, for the span layout
     (attention.host_prompts)."""
     from minipic.attention.host_prompts import HostPrompts
+    from minipic.attention.span_layout import current_protocol
 
     prompts = getattr(runner, "minipic_host_prompts", None)
     if prompts is None:
-        prompts = runner.minipic_host_prompts = HostPrompts()
+        prompts = runner.minipic_host_prompts = HostPrompts(current_protocol())
     for new in scheduler_output.scheduled_new_reqs:
         prompts.add(runner.req_states.req_id_to_index[new.req_id], new.prompt_token_ids)
 

@@ -4,11 +4,14 @@
 
 Every request reads the same context (a 64-token system prompt and 10 documents of 400
 tokens: 4064 tokens as plain text) followed by a question of its own (90 tokens), then
-decodes. Stock vLLM gets
-the plain tokens (no markers); minipic the recipe's span prompt of the same words (default
-epic64: each document's first 64 tokens recomputed in context as link blocks), after the
-spans were prefilled once. Both serve the shared context from their prefix cache, so each
-engine holds it once, and the batch (--batch requests) decodes over it.
+decodes; with --doc-sets N, request i reads the i % N-th of N such contexts. Stock vLLM
+gets the plain tokens (no markers); minipic the recipe's span prompt of the same words
+(default epic64: each document's first 64 tokens recomputed in context as link blocks),
+after the spans were prefilled once. Both serve the shared context from their prefix
+cache, so each engine holds it once, and the batch (--batch requests) decodes over it.
+Stock FA3 reads the shared context once per request; minipic reads each shared document
+once per step for all requests that hold it (segment_plan._shared, as vLLM's cascade
+attention reads a shared prefix), so --doc-sets also shows the step with less sharing.
 
 Per engine (one process each, Llama-3-8B shape, dummy weights, bf16, block 16): one warm-up
 round, then --rounds rounds of --batch requests with fresh questions, each decoding
@@ -42,21 +45,31 @@ PROFILED_STEPS = 6
 
 
 def prompts(args, markers: dict, block_size: int) -> dict:
-    """Token ids for every round (warm-up first): plain and span prompts of the same words."""
+    """Token ids for every round (warm-up first): plain and span prompts of the same words.
+    Request i of a round reads document set i % --doc-sets."""
     from minipic.protocol import SpanProtocol
 
     rng = random.Random(0)
     words = random_words(rng, args.arch)
-    system, docs = words(64), [words(args.doc_tokens) for _ in range(args.docs)]
+    system = words(64)
+    doc_sets = [[words(args.doc_tokens) for _ in range(args.docs)] for _ in range(args.doc_sets)]
     build = RECIPES_BY_NAME[args.recipe]
     protocol = SpanProtocol.from_dict(markers)
     rounds = [[words(args.task_tokens) for _ in range(args.batch)]
               for _ in range(args.rounds + 1)]
-    span = lambda task: build(docs, task, system=system, protocol=protocol, block_size=block_size)
-    return {"stock": [[system + [t for d in docs for t in d] + task for task in tasks]
-                      for tasks in rounds],
-            "minipic": [[span(task).final for task in tasks] for tasks in rounds],
-            "span_prefills": span(rounds[0][0]).span_prefills}
+
+    def span(i, task):
+        return build(doc_sets[i % args.doc_sets], task, system=system, protocol=protocol,
+                     block_size=block_size)
+
+    def plain(i, task):
+        return system + [t for d in doc_sets[i % args.doc_sets] for t in d] + task
+
+    return {"stock": [[plain(i, task) for i, task in enumerate(tasks)] for tasks in rounds],
+            "minipic": [[span(i, task).final for i, task in enumerate(tasks)]
+                        for tasks in rounds],
+            "span_prefills": [p for i in range(args.doc_sets)
+                              for p in span(i, rounds[0][0]).span_prefills]}
 
 
 def engine_child(spec: dict) -> dict:
@@ -150,6 +163,9 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=10)
     parser.add_argument("--doc-tokens", type=int, default=400)
     parser.add_argument("--task-tokens", type=int, default=90)
+    parser.add_argument("--doc-sets", type=int, default=1,
+                        help="distinct document sets, request i reads set i %% N (1: every "
+                             "request the same documents)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default=DEFAULT_SERVER_RECIPE)

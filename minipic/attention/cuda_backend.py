@@ -159,7 +159,7 @@ class SpanBatchBuilder:
         """Per block tables to the device for the span kernel; per token ones stay
         (mask_markers: as bits)."""
         metadata.minipic_tables = dataclasses.replace(
-            layout, quiet=None, logical=None).to(self.device)
+            layout, quiet=None, logical=None, span_id=None).to(self.device)
         if layout.quiet is not None:
             metadata.minipic_quiet_bits = quiet_words(
                 layout.quiet, max(seq_lens)).to(self.device, non_blocking=True)

@@ -14,32 +14,48 @@ from typing import Iterable
 
 import numpy as np
 
+from minipic.attention.span_identity import SpanIds
+from minipic.protocol import SpanProtocol
+
 
 class HostPrompts:
-    """Prompt token ids by the runner's request row (req_states' index)."""
+    """Prompt token ids by the runner's request row (req_states' index), with each
+    prompt's block first tokens and span block ids (span_identity.py) per block size."""
 
-    def __init__(self) -> None:
+    def __init__(self, protocol: SpanProtocol) -> None:
+        self._protocol = protocol
         self._prompts: dict[int, np.ndarray] = {}
-        self._firsts: dict[tuple[int, int], np.ndarray] = {}  # (row, block_size) -> ids
+        # (row, block_size) -> (first token of each block, span ids, chains held)
+        self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list[bytes]]] = {}
+        self.span_ids = SpanIds()
 
     def add(self, row: int, prompt: Iterable[int]) -> None:
         """Request row `row` now runs `prompt` (replacing whatever ran there before)."""
         self._prompts[row] = np.asarray(prompt, dtype=np.int64)
-        for key in [k for k in self._firsts if k[0] == row]:
-            del self._firsts[key]
+        for key in [k for k in self._blocks if k[0] == row]:
+            self.span_ids.release(self._blocks.pop(key)[2])
 
-    def block_firsts(self, rows: np.ndarray, block_size: int, blocks: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
+    def blocks(self, rows: np.ndarray, block_size: int, blocks: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[len(rows), blocks] first token of each prompt block (-1 past the prompt,
-        never a marker), and [len(rows)] prompt lengths."""
+        never a marker) and its span id (span_identity.NO_ID outside spans), and
+        [len(rows)] prompt lengths."""
         firsts = np.full((len(rows), blocks), -1, dtype=np.int64)
+        ids = np.full((len(rows), blocks), -1, dtype=np.int64)
         lengths = np.empty(len(rows), dtype=np.int64)
         for i, row in enumerate(rows.tolist()):
-            prompt_firsts = self._firsts.get((row, block_size))
-            if prompt_firsts is None:
-                prompt_firsts = self._prompts[row][::block_size]
-                self._firsts[(row, block_size)] = prompt_firsts
-            shown = prompt_firsts[:blocks]
-            firsts[i, : shown.size] = shown
+            prompt_firsts, prompt_ids, _ = self._prompt_blocks(row, block_size)
+            shown = min(blocks, prompt_firsts.size)
+            firsts[i, :shown] = prompt_firsts[:shown]
+            ids[i, :shown] = prompt_ids[:shown]
             lengths[i] = self._prompts[row].size
-        return firsts, lengths
+        return firsts, ids, lengths
+
+    def _prompt_blocks(self, row: int, block_size: int):
+        found = self._blocks.get((row, block_size))
+        if found is None:
+            prompt = self._prompts[row]
+            ids, chains = self.span_ids.take(prompt, block_size, self._protocol.ssep_token_id,
+                                             self._protocol.markers)
+            found = self._blocks[(row, block_size)] = (prompt[::block_size], ids, chains)
+        return found

@@ -170,6 +170,7 @@ class _QueryRuns:
         self.block_size = block_size
         self.span_of, self.context = _host(layout.span_of), _host(layout.context_pos)
         self.frame, self.shift = _host(layout.frame_offset), _host(layout.shift)
+        self.span_id = None if layout.span_id is None else _host(layout.span_id)
         shift = self.shift
         reqs, blocks = self.span_of.shape
         self.links_end = np.zeros(reqs, np.int64) if layout.links_end is None \
@@ -255,9 +256,38 @@ class _QueryRuns:
         row_run = run[heads]
         lengths = self.length[row_run]
         offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        return _RowParts(np.repeat(self.token[row_run], lengths) + offsets,
+        rows = _RowParts(np.repeat(self.token[row_run], lengths) + offsets,
                          np.repeat(turns[heads], lengths), lengths, counts * self.block_size,
                          self.request[row_run], table)
+        if self.span_id is None:
+            return rows
+        # a row's ids: those of its last block, when its first is a span block too
+        first_id = self.span_id[rows.row_request, block[heads]]
+        last_id = self.span_id[rows.row_request, block[heads + counts - 1]]
+        return _shared(rows, np.where(first_id >= 0, last_id, -1))
+
+
+def _shared(rows: _RowParts, last_span_id: np.ndarray) -> _RowParts:
+    """Rows that read the same keys as one row holding all their queries.
+
+    Two rows read the same keys when their last blocks have one span id (the same tokens
+    from the span's SSep block on, so the same keys in the same frame: span_identity.py)
+    and they are as long (the same blocks of that span). The row of the first request
+    stands for them all; each query keeps its own turn (its distance to the span's start
+    in its own prompt). A decode batch over shared documents then reads each document once
+    per layer, not once per request."""
+    count = rows.row_request.size
+    # rows without a span id (-1) get keys of their own: never shared
+    unique_key = -1 - np.arange(count)
+    key = np.where(last_span_id >= 0, last_span_id * (rows.key_lens.max() + 1) + rows.key_lens,
+                   unique_key)
+    _, first, group = np.unique(key, return_index=True, return_inverse=True)
+    if first.size == count:
+        return rows
+    order = np.argsort(np.repeat(group, rows.query_lens), kind="stable")
+    return _RowParts(rows.query_index[order], rows.query_turn[order],
+                     np.bincount(group, weights=rows.query_lens).astype(np.int64),
+                     rows.key_lens[first], rows.row_request[first], rows.row_blocks[first])
 
 
 def _host(t: torch.Tensor) -> np.ndarray:

@@ -72,6 +72,11 @@ def register_runner(runner: Any, protocol: SpanProtocol, mask_markers: bool = Fa
     _runner, _protocol, _mask_markers = weakref.ref(runner), protocol, mask_markers
 
 
+def current_protocol() -> SpanProtocol | None:
+    """The registered engine's markers (register_runner)."""
+    return _protocol
+
+
 def note_mrv2_batch(idx_mapping: torch.Tensor, idx_mapping_np=None) -> None:
     """Model Runner V2 prepared a batch: remember which token rows it runs."""
     global _mrv2_idx_mapping, _mrv2_idx_mapping_np
@@ -129,6 +134,11 @@ class SpanLayout:
     quiet: torch.Tensor | None = None
     logical: torch.Tensor | None = None
     read_offset: torch.Tensor | None = None
+    # [reqs, blocks] int64, Model Runner V2 only: an id of the tokens from b's span start
+    # through b (span_identity.py; -1 outside spans): blocks of one id hold the same keys
+    # in the same frame, so requests sharing a document read it once (segment_plan.py).
+    # None: not known, nothing shared.
+    span_id: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows = self.span_of.shape[0]
@@ -142,7 +152,7 @@ class SpanLayout:
         to_gpu = torch.device(device).type == "cuda"
         moved = [None if t is None else t.to(device, non_blocking=to_gpu) for t in (
             self.span_of, self.context_pos, self.shift, self.frame_offset, self.links_end,
-            self.link_tokens, self.quiet, self.logical, self.read_offset)]
+            self.link_tokens, self.quiet, self.logical, self.read_offset, self.span_id)]
         return SpanLayout(*moved)
 
     def has_links(self) -> bool:
@@ -262,10 +272,12 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
     generated tokens, which only the GPU's table holds)."""
     width = None if max_seq_len is None else -(-max_seq_len // block_size) * block_size
     if not _mask_markers:
-        on_host = _host_block_firsts(num_reqs, block_size, width)
+        on_host = _host_blocks(num_reqs, block_size, width)
         if on_host is not None:
-            firsts, prompt_lens = on_host
-            return span_layout(firsts, _protocol, block_size, prompt_lens)
+            firsts, span_ids, prompt_lens = on_host
+            layout = span_layout(firsts, _protocol, block_size, prompt_lens)
+            layout.span_id = torch.where(layout.span_of >= 0, span_ids, -1)
+            return layout
     found = _token_rows(num_reqs, width)
     if found is None:
         return None
@@ -276,18 +288,18 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
     return layout
 
 
-def _host_block_firsts(num_reqs: int, block_size: int, width: int | None
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """MRV2: the batch's block first tokens and prompt lengths from the runner's host
-    copy of its prompts (attention.host_prompts); None on the V1 runner (its table is on
-    the host already) and before the first real batch."""
+def _host_blocks(num_reqs: int, block_size: int, width: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """MRV2: the batch's block first tokens, span ids and prompt lengths from the
+    runner's host copy of its prompts (attention.host_prompts); None on the V1 runner
+    (its table is on the host already) and before the first real batch."""
     runner = _runner()
     prompts = getattr(runner, "minipic_host_prompts", None)
     if prompts is None or _mrv2_idx_mapping_np is None or width is None:
         return None
     rows = _mrv2_idx_mapping_np[:num_reqs]
-    firsts, lengths = prompts.block_firsts(rows, block_size, width // block_size)
-    return torch.from_numpy(firsts), torch.from_numpy(lengths)
+    return tuple(torch.from_numpy(a) for a in prompts.blocks(rows, block_size,
+                                                               width // block_size))
 
 
 def take_no_room(layout: SpanLayout, quiet: torch.Tensor, block_size: int) -> None:

@@ -182,6 +182,30 @@ def epic_markers(num_docs: int, doc_blocks: int, link_blocks: int, task_blocks: 
     return "-" + doc * num_docs + link * num_docs + "P" + "-" * (task_blocks - 1)
 
 
+def shared_documents_case(dtype: torch.dtype, device: str | torch.device = "cpu",
+                          seed: int = 0, query_lens=(1, 1, 1), **heads) -> PagedCase:
+    """Three EPIC requests: 0 and 2 hold the same two documents (the same keys: 2's span
+    blocks copy 0's), 2 one header block later, so the same spans sit at other offsets;
+    request 1 other documents. layout.span_id says which blocks hold the same tokens, as
+    Model Runner V2's host prompts do (attention/span_identity.py)."""
+    markers = [epic_markers(2, 4, 1, 2), epic_markers(3, 3, 1, 2), "-" + epic_markers(2, 4, 1, 2)]
+    seq_lens = [16 * len(m) - 5 for m in markers]
+    heads = {"num_q_heads": 6, "num_kv_heads": 2, "head_size": 32, **heads}
+    case = make_case(list(query_lens), [s - q for s, q in zip(seq_lens, query_lens)],
+                     dtype=dtype, device=device, seed=seed, markers=markers, **heads)
+    shared_0, shared_2 = case.block_table[0, 1:9].long(), case.block_table[2, 2:10].long()
+    case.k_model[shared_2] = case.k_model[shared_0]
+    case.v_cache[shared_2] = case.v_cache[shared_0]
+    case.k_cache = case.rotated_k_cache(frames=True)
+    span_id = torch.full(case.layout.span_of.shape, -1, dtype=torch.int64)
+    span_id[0, 1:9] = torch.arange(8)
+    span_id[2, 2:10] = torch.arange(8)
+    span_id[1, 1:10] = 100 + torch.arange(9)
+    assert (case.layout.span_of.cpu()[span_id >= 0] >= 0).all()
+    case.layout.span_id = span_id.to(device)
+    return case
+
+
 def reference_attention(case: PagedCase) -> torch.Tensor:
     """Rotate each request's keys by position, then causal attention (or the span and link
     rule of span_layout.visible_keys), in fp32/fp64 torch."""

@@ -24,17 +24,17 @@ def span_prompt(rng: random.Random, blocks: int) -> list[int]:
 
 
 def test_block_firsts_are_the_prompt_blocks_first_tokens():
-    prompts, rng = HostPrompts(), random.Random(0)
+    prompts, rng = HostPrompts(P), random.Random(0)
     runs = {row: span_prompt(rng, rng.randrange(1, 9)) for row in (4, 0, 7)}
     for row, prompt in runs.items():
         prompts.add(row, prompt)
-    firsts, lengths = prompts.block_firsts(np.array([7, 4]), BLOCK, 10)
+    firsts, _, lengths = prompts.blocks(np.array([7, 4]), BLOCK, 10)
     for i, row in enumerate((7, 4)):
         shown = runs[row][::BLOCK]
         assert firsts[i, : len(shown)].tolist() == shown and (firsts[i, len(shown):] == -1).all()
         assert lengths[i] == len(runs[row])
     prompts.add(7, [3] * 40)  # the row runs another request now
-    assert prompts.block_firsts(np.array([7]), BLOCK, 4)[0].tolist() == [[3, 3, 3, -1]]
+    assert prompts.blocks(np.array([7]), BLOCK, 4)[0].tolist() == [[3, 3, 3, -1]]
 
 
 def test_mrv2_layout_from_host_prompts_matches_the_token_table(monkeypatch):
@@ -56,7 +56,7 @@ def test_mrv2_layout_from_host_prompts_matches_the_token_table(monkeypatch):
         pass
 
     runner = Runner()
-    runner.minipic_host_prompts = HostPrompts()
+    runner.minipic_host_prompts = HostPrompts(P)
     for row, prompt in prompts.items():
         runner.minipic_host_prompts.add(row, prompt)
     for name, value in (("_runner", weakref.ref(runner)), ("_protocol", P),
@@ -66,3 +66,60 @@ def test_mrv2_layout_from_host_prompts_matches_the_token_table(monkeypatch):
     assert got.span_of.device.type == "cpu"
     for field in ("span_of", "context_pos", "shift", "frame_offset", "links_end", "link_tokens"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
+    # ids for span blocks only: all of them but a prompt's partial last block
+    full = torch.arange(got.span_of.shape[1]) < torch.tensor(
+        [len(prompts[r]) // BLOCK for r in rows.tolist()])[:, None]
+    assert torch.equal(got.span_id >= 0, (got.span_of >= 0) & full)
+
+
+def words(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 99) for _ in range(n)]
+
+
+def test_the_same_document_anywhere_gets_the_same_span_ids():
+    """A document's blocks get one id wherever its span sits; another document, the header,
+    the task and a prompt's partial last block get none in common (-1 outside spans)."""
+    rng = random.Random(2)
+    doc, other = [3] + words(rng, 47), [3] + words(rng, 47)  # three blocks each
+    task = [4] + words(rng, 20)
+    prompts = HostPrompts(P)
+    prompts.add(0, words(rng, 16) + doc + other + task)
+    prompts.add(1, words(rng, 32) + other + doc + task)
+    _, ids, _ = prompts.blocks(np.array([0, 1]), BLOCK, 9)
+    assert ids[0, 1:4].tolist() == ids[1, 5:8].tolist()  # doc
+    assert ids[0, 4:7].tolist() == ids[1, 2:5].tolist()  # other
+    assert len(set(ids[0, 1:7].tolist())) == 6
+    assert ids[0, 0] == ids[0, 7] == ids[0, 8] == -1  # header, task
+    assert ids[1, :2].tolist() == [-1, -1] and ids[1, 8] == -1
+
+
+def test_a_span_id_is_the_spans_tokens_so_far():
+    """Blocks after a differing token differ, blocks before it keep their ids: an id stands
+    for every token from the span's SSep block through its block."""
+    rng = random.Random(3)
+    doc = [3] + words(rng, 47)
+    changed = list(doc)
+    changed[20] += 1  # the second block
+    prompts = HostPrompts(P)
+    prompts.add(0, doc + [4] + words(rng, 5))
+    prompts.add(1, changed + [4] + words(rng, 5))
+    _, ids, _ = prompts.blocks(np.array([0, 1]), BLOCK, 4)
+    assert ids[0, 0] == ids[1, 0]
+    assert ids[0, 1] != ids[1, 1] and ids[0, 2] != ids[1, 2]
+
+
+def test_span_ids_are_freed_with_their_last_prompt():
+    """The id table holds the running prompts' chains only (a server's traffic would
+    grow it without end)."""
+    rng = random.Random(4)
+    doc = [3] + words(rng, 31)
+    prompts = HostPrompts(P)
+    for row in (0, 1):
+        prompts.add(row, doc + [4] + words(rng, 3))
+        prompts.blocks(np.array([row]), BLOCK, 3)
+    assert len(prompts.span_ids) == 2  # two blocks, held by two prompts
+    prompts.add(0, [4] + words(rng, 40))
+    prompts.blocks(np.array([0]), BLOCK, 3)
+    assert len(prompts.span_ids) == 2
+    prompts.add(1, [4] + words(rng, 40))
+    assert len(prompts.span_ids) == 0

@@ -13,7 +13,8 @@ import torch
 from minipic.attention.segment_attention import paged_flash_reference, prepare, segment_attention
 from minipic.attention.segment_plan import segment_plan
 from minipic.devtools.paged_attention_case import (epic_markers, make_case, random_segments,
-                                                   reference_attention, relative_error)
+                                                   reference_attention, relative_error,
+                                                   shared_documents_case)
 
 # (query_lens, context_lens, markers per request; None: random spans and PDep blocks)
 CASES = {
@@ -192,3 +193,54 @@ def test_another_block_table_moves_every_row_table(name):
     segment_attention(case.q, k_moved, v_moved, again, batch,
                       functools.partial(paged_flash_reference, scale=case.scale))
     assert torch.allclose(again, out)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_requests_sharing_documents_read_them_in_one_row(seed):
+    """Decode over shared documents: each shared span tail is one row holding both
+    requests' queries, each turned by its own span offset; the answer is the reference's."""
+    case = shared_documents_case(dtype=torch.float32, seed=seed)
+    plan, out = run_plan(case)
+    assert relative_error(out, reference_attention(case)) < 1e-5
+    earlier = plan.earlier
+    # request 1's three document tails alone, one row each for the two shared ones
+    assert earlier.row_request.tolist().count(1) == 3
+    shared = (earlier.cu_seqlens_q[1:] - earlier.cu_seqlens_q[:-1]) == 2
+    assert int(shared.sum()) == 2 and earlier.row_request.numel() == 5
+    assert set(earlier.row_request[shared].tolist()) == {0}
+    case.layout.span_id = None  # unknown identity: a row per request and span, same answer
+    unshared, out_unshared = run_plan(case)
+    assert unshared.earlier.row_request.numel() == 7
+    assert relative_error(out_unshared, out) < 1e-6
+
+
+def test_sharing_keeps_each_querys_own_turn():
+    """The shared row's queries turn by different amounts (the spans sit one block apart):
+    one turn for both would be wrong, and the test sees it."""
+    case = shared_documents_case(dtype=torch.float32)
+    plan = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(),
+                        case.block_size)
+    earlier, n = plan.earlier, case.q.shape[0]
+    sizes = (earlier.cu_seqlens_q[1:] - earlier.cu_seqlens_q[:-1]).tolist()
+    for row, size in enumerate(sizes):
+        if size == 2:
+            start = int(earlier.cu_seqlens_q[row])
+            turns = earlier.query_turn[start: start + 2].tolist()
+            assert turns[1] - turns[0] == 16  # request 2's span stands one block later
+            # the decode batch's one call reads its turns from the joint rows (own first)
+            plan.joint.query_turn[n + start + 1] = turns[0]  # one turn for both
+    out = torch.empty_like(case.q)
+    segment_attention(case.q, case.k_cache, case.v_cache, out, ready(case, plan),
+                      functools.partial(paged_flash_reference, scale=case.scale))
+    assert relative_error(out, reference_attention(case)) > 1e-2
+
+
+def test_prefill_runs_over_shared_documents_share_rows():
+    """Two tasks prefilled after hits on the same documents (several queries each): their
+    rows merge too, and the two FlashAttention calls give the reference's answer."""
+    case = shared_documents_case(dtype=torch.float32, query_lens=(20, 1, 20))
+    plan, out = run_plan(case)
+    assert plan.joint is None
+    assert relative_error(out, reference_attention(case)) < 1e-5
+    sizes = (plan.earlier.cu_seqlens_q[1:] - plan.earlier.cu_seqlens_q[:-1]).tolist()
+    assert sorted(sizes)[-2:] == [40, 40]

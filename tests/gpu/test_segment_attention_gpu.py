@@ -14,7 +14,8 @@ from minipic.attention import triton_kernel as tk
 from minipic.attention.segment_attention import prepare, segment_attention, vllm_flash_rows
 from minipic.attention.segment_plan import segment_plan
 from minipic.devtools.paged_attention_case import (epic_markers, make_case, random_segments,
-                                                   reference_attention, relative_error)
+                                                   reference_attention, relative_error,
+                                                   shared_documents_case)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -106,3 +107,16 @@ def test_key_turn_before_the_cache_write_matches_torch(dtype):
     ours = turn_rows(key, None, turn.cos, turn.sin, case.rotary_dim, case.is_neox)
     expected = turn.apply(key[:tokens]).to(dtype)
     assert relative_error(ours, expected) < TOLERANCE[dtype] / 10
+
+
+@pytest.mark.parametrize("query_lens", [(1, 1, 1), (20, 1, 20)], ids=["decode", "prefill"])
+def test_requests_sharing_documents_on_fa3(query_lens):
+    """Rows shared by requests holding the same documents (segment_plan._shared), on FA3:
+    the reference's answer, and fewer rows than without sharing."""
+    case = shared_documents_case(torch.bfloat16, "cuda", query_lens=query_lens,
+                                 num_q_heads=32, num_kv_heads=8, head_size=128)
+    plan = segment_plan(case.layout.to("cpu"), case.cu_seqlens_q.tolist(),
+                        case.seq_lens.tolist(), case.block_size)
+    assert plan.earlier.row_request.numel() == 5  # 7 without sharing
+    ours = run_rows(case)
+    assert relative_error(ours, reference_attention(case)) < TOLERANCE[torch.bfloat16]

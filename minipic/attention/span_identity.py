@@ -1,0 +1,70 @@
+"""Worker side (Model Runner V2): which span blocks of a batch hold the same keys.
+
+An SSep block's KV depends only on the tokens from its span's SSep block through
+itself, and is stored in the span's frame (span_layout.py). Two requests whose spans
+hold the same tokens there read the same keys, wherever the spans sit in their
+prompts; so a batch whose requests share documents reads each shared span tail once
+for all their queries (segment_plan.py), as vLLM's cascade attention reads a shared
+prefix once.
+
+Blocks are told apart by a 128-bit BLAKE2b chain over their span's tokens: spans
+that differ never share an id, even when a client crafts them to. The ids are small
+integers, one per distinct chain among the running prompts, freed when no running
+prompt holds them: the table is as large as the running batch, not the traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+# A block outside SSep spans (or a span's partial last block): no id, never shared.
+NO_ID = -1
+
+
+class SpanIds:
+    """Reference-counted ids of span block chains."""
+
+    def __init__(self) -> None:
+        self._ids: dict[bytes, list[int]] = {}  # chain -> [id, prompts holding it]
+        self._next = 0
+
+    def take(self, prompt: np.ndarray, block_size: int, ssep: int,
+             markers: frozenset[int]) -> tuple[np.ndarray, list[bytes]]:
+        """Per block of `prompt`, the id of its chain (NO_ID outside SSep spans), and
+        the chains taken (give them back with `release`).
+
+        A span runs from an SSep block to the next marker block (span_layout's rule);
+        markers count at block starts of the prompt only, as in the block hasher."""
+        firsts = prompt[::block_size].tolist()
+        ids = np.full(len(firsts), NO_ID, dtype=np.int64)
+        chains, chain = [], None
+        for block, first in enumerate(firsts):
+            if first in markers:
+                chain = b"" if first == ssep else None
+            tokens = prompt[block * block_size: (block + 1) * block_size]
+            if chain is None or tokens.size < block_size:
+                continue  # a partial block ends the prompt: queries, never cached keys
+            chain = hashlib.blake2b(chain + tokens.tobytes(), digest_size=16).digest()
+            ids[block] = self._hold(chain)
+            chains.append(chain)
+        return ids, chains
+
+    def release(self, chains: list[bytes]) -> None:
+        for chain in chains:
+            entry = self._ids[chain]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._ids[chain]
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def _hold(self, chain: bytes) -> int:
+        entry = self._ids.get(chain)
+        if entry is None:
+            entry = self._ids[chain] = [self._next, 0]
+            self._next += 1
+        entry[1] += 1
+        return entry[0]
