@@ -25,37 +25,44 @@ class HostPrompts:
     def __init__(self, protocol: SpanProtocol) -> None:
         self._protocol = protocol
         self._prompts: dict[int, np.ndarray] = {}
-        # (row, block_size) -> (first token of each block, span ids, chains held)
-        self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list[bytes]]] = {}
+        self._firsts: dict[tuple[int, int], np.ndarray] = {}  # (row, block_size) -> ids
+        # (row, block_size) -> (span id of each block, the chains it holds)
+        self._ids: dict[tuple[int, int], tuple[np.ndarray, list[bytes]]] = {}
         self.span_ids = SpanIds()
 
     def add(self, row: int, prompt: Iterable[int]) -> None:
         """Request row `row` now runs `prompt` (replacing whatever ran there before)."""
         self._prompts[row] = np.asarray(prompt, dtype=np.int64)
-        for key in [k for k in self._blocks if k[0] == row]:
-            self.span_ids.release(self._blocks.pop(key)[2])
+        for key in [k for k in self._firsts if k[0] == row]:
+            del self._firsts[key]
+        for key in [k for k in self._ids if k[0] == row]:
+            self.span_ids.release(self._ids.pop(key)[1])
 
-    def blocks(self, rows: np.ndarray, block_size: int, blocks: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def blocks(self, rows: np.ndarray, block_size: int, blocks: int, span_ids: bool = True
+               ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """[len(rows), blocks] first token of each prompt block (-1 past the prompt,
-        never a marker) and its span id (span_identity.NO_ID outside spans), and
-        [len(rows)] prompt lengths."""
+        never a marker) and, with `span_ids`, its span id (span_identity.NO_ID outside
+        spans; else None), and [len(rows)] prompt lengths."""
         firsts = np.full((len(rows), blocks), -1, dtype=np.int64)
-        ids = np.full((len(rows), blocks), -1, dtype=np.int64)
+        ids = np.full((len(rows), blocks), -1, dtype=np.int64) if span_ids else None
         lengths = np.empty(len(rows), dtype=np.int64)
         for i, row in enumerate(rows.tolist()):
-            prompt_firsts, prompt_ids, _ = self._prompt_blocks(row, block_size)
+            key = (row, block_size)
+            prompt_firsts = self._firsts.get(key)
+            if prompt_firsts is None:
+                prompt_firsts = self._firsts[key] = self._prompts[row][::block_size]
             shown = min(blocks, prompt_firsts.size)
             firsts[i, :shown] = prompt_firsts[:shown]
-            ids[i, :shown] = prompt_ids[:shown]
+            if span_ids:
+                ids[i, :shown] = self._span_ids(key)[:shown]
             lengths[i] = self._prompts[row].size
         return firsts, ids, lengths
 
-    def _prompt_blocks(self, row: int, block_size: int):
-        found = self._blocks.get((row, block_size))
+    def _span_ids(self, key: tuple[int, int]) -> np.ndarray:
+        """The prompt's span ids, hashed once (about a microsecond a block)."""
+        found = self._ids.get(key)
         if found is None:
-            prompt = self._prompts[row]
-            ids, chains = self.span_ids.take(prompt, block_size, self._protocol.ssep_token_id,
-                                             self._protocol.markers)
-            found = self._blocks[(row, block_size)] = (prompt[::block_size], ids, chains)
-        return found
+            found = self._ids[key] = self.span_ids.take(
+                self._prompts[key[0]], key[1], self._protocol.ssep_token_id,
+                self._protocol.markers)
+        return found[0]

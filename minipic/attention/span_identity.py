@@ -39,14 +39,16 @@ class SpanIds:
         markers count at block starts of the prompt only, as in the block hasher."""
         firsts = prompt[::block_size].tolist()
         ids = np.full(len(firsts), NO_ID, dtype=np.int64)
+        data, width = prompt.astype(np.int64).tobytes(), 8 * block_size
+        full_blocks = prompt.size // block_size  # a partial last block holds queries only
         chains, chain = [], None
-        for block, first in enumerate(firsts):
+        for block, first in enumerate(firsts[:full_blocks]):
             if first in markers:
                 chain = b"" if first == ssep else None
-            tokens = prompt[block * block_size: (block + 1) * block_size]
-            if chain is None or tokens.size < block_size:
-                continue  # a partial block ends the prompt: queries, never cached keys
-            chain = hashlib.blake2b(chain + tokens.tobytes(), digest_size=16).digest()
+            if chain is None:
+                continue
+            chain = hashlib.blake2b(chain + data[block * width: (block + 1) * width],
+                                    digest_size=16).digest()
             ids[block] = self._hold(chain)
             chains.append(chain)
         return ids, chains

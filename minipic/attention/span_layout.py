@@ -276,7 +276,8 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
         if on_host is not None:
             firsts, span_ids, prompt_lens = on_host
             layout = span_layout(firsts, _protocol, block_size, prompt_lens)
-            layout.span_id = torch.where(layout.span_of >= 0, span_ids, -1)
+            if span_ids is not None:
+                layout.span_id = torch.where(layout.span_of >= 0, span_ids, -1)
             return layout
     found = _token_rows(num_reqs, width)
     if found is None:
@@ -289,7 +290,7 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
 
 
 def _host_blocks(num_reqs: int, block_size: int, width: int | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """MRV2: the batch's block first tokens, span ids and prompt lengths from the
     runner's host copy of its prompts (attention.host_prompts); None on the V1 runner
     (its table is on the host already) and before the first real batch."""
@@ -298,8 +299,9 @@ def _host_blocks(num_reqs: int, block_size: int, width: int | None
     if prompts is None or _mrv2_idx_mapping_np is None or width is None:
         return None
     rows = _mrv2_idx_mapping_np[:num_reqs]
-    return tuple(torch.from_numpy(a) for a in prompts.blocks(rows, block_size,
-                                                               width // block_size))
+    # one request shares with no one: its spans' ids are not worth their hashing
+    found = prompts.blocks(rows, block_size, width // block_size, span_ids=num_reqs > 1)
+    return tuple(None if a is None else torch.from_numpy(a) for a in found)
 
 
 def take_no_room(layout: SpanLayout, quiet: torch.Tensor, block_size: int) -> None:
