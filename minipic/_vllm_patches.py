@@ -333,7 +333,11 @@ def _note_host_prompts(runner, scheduler_output) -> None:
     if prompts is None:
         prompts = runner.minipic_host_prompts = HostPrompts(current_protocol())
     for new in scheduler_output.scheduled_new_reqs:
-        prompts.add(runner.req_states.req_id_to_index[new.req_id], new.prompt_token_ids)
+        # KV that depends on more than the tokens is never shared with another request
+        shareable = (new.lora_request is None and not new.mm_features
+                     and getattr(new, "prompt_embeds", None) is None)
+        prompts.add(runner.req_states.req_id_to_index[new.req_id], new.prompt_token_ids,
+                    shareable)
 
 
 def _patch_prompt_validation() -> None:

@@ -14,7 +14,7 @@ from typing import Iterable
 
 import numpy as np
 
-from minipic.attention.span_identity import SpanIds
+from minipic.attention.span_identity import NO_ID, SpanIds
 from minipic.protocol import SpanProtocol
 
 
@@ -25,14 +25,19 @@ class HostPrompts:
     def __init__(self, protocol: SpanProtocol) -> None:
         self._protocol = protocol
         self._prompts: dict[int, np.ndarray] = {}
+        self._shareable: dict[int, bool] = {}
         self._firsts: dict[tuple[int, int], np.ndarray] = {}  # (row, block_size) -> ids
         # (row, block_size) -> (span id of each block, the chains it holds)
         self._ids: dict[tuple[int, int], tuple[np.ndarray, list[bytes]]] = {}
         self.span_ids = SpanIds()
 
-    def add(self, row: int, prompt: Iterable[int]) -> None:
-        """Request row `row` now runs `prompt` (replacing whatever ran there before)."""
+    def add(self, row: int, prompt: Iterable[int], shareable: bool = True) -> None:
+        """Request row `row` now runs `prompt` (replacing whatever ran there before).
+
+        `shareable` False: its KV depends on more than its tokens (a LoRA adapter,
+        multimodal inputs, prompt embeddings), so its spans get no ids: never shared."""
         self._prompts[row] = np.asarray(prompt, dtype=np.int64)
+        self._shareable[row] = shareable
         for key in [k for k in self._firsts if k[0] == row]:
             del self._firsts[key]
         for key in [k for k in self._ids if k[0] == row]:
@@ -62,7 +67,11 @@ class HostPrompts:
         """The prompt's span ids, hashed once (about a microsecond a block)."""
         found = self._ids.get(key)
         if found is None:
-            found = self._ids[key] = self.span_ids.take(
-                self._prompts[key[0]], key[1], self._protocol.ssep_token_id,
-                self._protocol.markers)
+            prompt = self._prompts[key[0]]
+            if self._shareable[key[0]]:
+                found = self.span_ids.take(prompt, key[1], self._protocol.ssep_token_id,
+                                           self._protocol.markers)
+            else:
+                found = (np.full(-(-prompt.size // key[1]), NO_ID, dtype=np.int64), [])
+            self._ids[key] = found
         return found[0]

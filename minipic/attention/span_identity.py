@@ -8,7 +8,11 @@ for all their queries (segment_plan.py), as vLLM's cascade attention reads a sha
 prefix once.
 
 Blocks are told apart by a 128-bit BLAKE2b chain over their span's tokens: spans
-that differ never share an id, even when a client crafts them to. The ids are small
+that differ never share an id, even when a client crafts them to. A request whose KV
+depends on more than its tokens (a LoRA adapter, multimodal inputs, prompt embeddings)
+gets no ids (host_prompts.py). A cache_salt does not reach the worker: two requests
+with different salts and the same document tokens may read one copy of the same keys
+in a step; no tokens or keys of either reach the other's answer. The ids are small
 integers, one per distinct chain among the running prompts, freed when no running
 prompt holds them: the table is as large as the running batch, not the traffic.
 """

@@ -123,3 +123,14 @@ def test_span_ids_are_freed_with_their_last_prompt():
     assert len(prompts.span_ids) == 2
     prompts.add(1, [4] + words(rng, 40))
     assert len(prompts.span_ids) == 0
+
+
+def test_a_prompt_whose_kv_is_more_than_its_tokens_shares_nothing():
+    """LoRA, multimodal inputs or prompt embeddings: the same tokens, other keys."""
+    rng = random.Random(5)
+    prompt = [3] + words(rng, 31) + [4] + words(rng, 3)
+    prompts = HostPrompts(P)
+    prompts.add(0, prompt)
+    prompts.add(1, prompt, shareable=False)
+    _, ids, _ = prompts.blocks(np.array([0, 1]), BLOCK, 3)
+    assert (ids[0, :2] >= 0).all() and (ids[1] == -1).all()
