@@ -55,7 +55,8 @@ versions, worker process unless said otherwise):
 | MRV2 runner .req_states.all_token_ids.gpu,        | attention/            | same on Model Runner V2, |
 |   .prompt_len.gpu (mask_markers), .req_id_to_index; |   span_layout.py    | rows of the batch        |
 |   prepare_inputs' idx_mapping, .idx_mapping_np;   |                       |                          |
-|   scheduled_new_reqs' .req_id, .prompt_token_ids  | _vllm_patches.py      | host copies of prompts   |
+|   scheduled_new_reqs' .req_id, .prompt_token_ids, | _vllm_patches.py    | host copies of prompts;  |
+|   .lora_request, .mm_features, .prompt_embeds     |                       | which may share spans    |
 | RotaryEmbedding ._compute_cos_sin_cache,          | attention/rope.py     | fp32 cos/sin table for   |
 |   .head_size, .rotary_dim, .is_neox_style,        |                       | attention                |
 |   .scaling_factors                                |                       |                          |
