@@ -19,7 +19,8 @@ whose frame offset is 0):
 
 Each launch is captured in a CUDA graph and timed with `triton.testing.do_bench`
 (median; the L2 cache is flushed before every run). Outputs: results.json,
-results.md (tables of times and ratios) and ratio.png under --out.
+results.md (tables of times and ratios) and ratio.png (every kernel over FA3,
+minipic/devtools/kernel_plot.py) under --out.
 
     python tools/bench_kernel.py --out out/bench
 """
@@ -41,6 +42,7 @@ import triton
 from minipic.attention import triton_kernel as tk
 from minipic.attention.rotation import rotate
 from minipic.attention.span_layout import SpanLayout
+from minipic.devtools.kernel_plot import plot
 from minipic.devtools.paged_attention_case import relative_error, rope_table
 
 Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
@@ -274,37 +276,6 @@ def ratio_table(rows: list[dict], key: str, label: str) -> list[str]:
                  + [ratio(n, "stock") for n in names] + [ratio("minipic", "fa3")])
         lines.append("| " + " | ".join(cells) + " |")
     return lines
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_p, ax_d) = plt.subplots(1, 2, figsize=(12, 4.5))
-    pre = results["prefill"]
-    xs = [r["q_len"] for r in pre]
-    for name, style in (("minipic", "o-"), ("minipic_noseg", "x--"), ("fa3", "s:")):
-        ys = [r["ms"][name] / r["ms"]["stock"] if name in r["ms"] else math.nan for r in pre]
-        ax_p.plot(xs, ys, style, label=f"{name} / stock")
-    ax_p.set(xscale="log", xlabel="prefill tokens (one request)",
-             ylabel="time / stock Triton time", title="Prefill")
-    for b in sorted({r["num_seqs"] for r in results["decode"]}):
-        rows = [r for r in results["decode"] if r["num_seqs"] == b]
-        ax_d.plot([r["context"] for r in rows],
-                  [r["ms"].get("minipic", math.nan) / r["ms"]["stock"] for r in rows],
-                  "o-", label=f"minipic / stock, batch {b}")
-    ax_d.set(xscale="log", xlabel="context tokens per request",
-             ylabel="time / stock Triton time", title="Decode")
-    for ax in (ax_p, ax_d):
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"minipic Triton attention vs stock vLLM Triton, {results['env']['gpu']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def environment() -> dict:
