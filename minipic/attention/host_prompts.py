@@ -30,6 +30,7 @@ class HostPrompts:
         # (row, block_size) -> (span id of each block, the chains it holds)
         self._ids: dict[tuple[int, int], tuple[np.ndarray, list[bytes]]] = {}
         self.span_ids = SpanIds()
+        self.generation = 0  # how many prompts were added: a layout cache's key
 
     def add(self, row: int, prompt: Iterable[int], shareable: bool = True) -> None:
         """Request row `row` now runs `prompt` (replacing whatever ran there before).
@@ -38,6 +39,7 @@ class HostPrompts:
         multimodal inputs, prompt embeddings), so its spans get no ids: never shared."""
         self._prompts[row] = np.asarray(prompt, dtype=np.int64)
         self._shareable[row] = shareable
+        self.generation += 1  # layouts built from the rows before are stale
         for key in [k for k in self._firsts if k[0] == row]:
             del self._firsts[key]
         for key in [k for k in self._ids if k[0] == row]:

@@ -168,21 +168,14 @@ class _QueryRuns:
     def __init__(self, layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
                  block_size: int) -> None:
         self.block_size = block_size
-        self.span_of, self.context = _host(layout.span_of), _host(layout.context_pos)
-        self.frame, self.shift = _host(layout.frame_offset), _host(layout.shift)
-        self.span_id = None if layout.span_id is None else _host(layout.span_id)
-        shift = self.shift
-        reqs, blocks = self.span_of.shape
-        self.links_end = np.zeros(reqs, np.int64) if layout.links_end is None \
-            else _host(layout.links_end)
-        self.link_tokens = np.zeros(reqs, np.int64) if layout.link_tokens is None \
-            else _host(layout.link_tokens)
-        self.block = np.arange(blocks)
-        starts_segment = np.ones((reqs, blocks), dtype=bool)
-        starts_segment[:, 1:] = ((self.span_of[:, 1:] != self.span_of[:, :-1])
-                                 | (self.frame[:, 1:] != self.frame[:, :-1])
-                                 | (shift[:, 1:] != shift[:, :-1]))
-        segment_of = np.maximum.accumulate(np.where(starts_segment, self.block, 0), axis=1)
+        tables = _layout_tables(layout)
+        self.span_of, self.context = tables.span_of, tables.context
+        self.frame, self.shift = tables.frame, tables.shift
+        self.span_id, self.links_end, self.link_tokens = (
+            tables.span_id, tables.links_end, tables.link_tokens)
+        self.block, starts_segment, segment_of = (tables.block, tables.starts_segment,
+                                                  tables.segment_of)
+        reqs = self.span_of.shape[0]
         qsl = np.asarray(query_start_loc[: reqs + 1], dtype=np.int64)
         seq = np.asarray(seq_lens[:reqs], dtype=np.int64)
         start = seq - (qsl[1:] - qsl[:-1])  # each request's first query position
@@ -288,6 +281,46 @@ def _shared(rows: _RowParts, last_span_id: np.ndarray) -> _RowParts:
     return _RowParts(rows.query_index[order], rows.query_turn[order],
                      np.bincount(group, weights=rows.query_lens).astype(np.int64),
                      rows.key_lens[first], rows.row_request[first], rows.row_blocks[first])
+
+
+class _LayoutTables(NamedTuple):
+    """A layout's tables as numpy, and where its segments start: what a plan needs of the
+    layout alone (a decode step's layout is the previous step's: see span_layout's cache)."""
+
+    span_of: np.ndarray
+    context: np.ndarray
+    frame: np.ndarray
+    shift: np.ndarray
+    span_id: np.ndarray | None
+    links_end: np.ndarray
+    link_tokens: np.ndarray
+    block: np.ndarray
+    starts_segment: np.ndarray  # [reqs, blocks]: a block where another segment starts
+    segment_of: np.ndarray  # [reqs, blocks]: the block starting each block's segment
+
+
+def _layout_tables(layout: SpanLayout) -> _LayoutTables:
+    """`layout`'s _LayoutTables, computed once while its tables stay the same tensors."""
+    used = (layout.span_of, layout.context_pos, layout.frame_offset, layout.shift,
+            layout.span_id, layout.links_end, layout.link_tokens)
+    found = layout.__dict__.get("_plan_tables")
+    if found is not None and all(a is b for a, b in zip(found[0], used)):
+        return found[1]
+    span_of, frame, shift = _host(layout.span_of), _host(layout.frame_offset), _host(layout.shift)
+    reqs, blocks = span_of.shape
+    block = np.arange(blocks)
+    starts_segment = np.ones((reqs, blocks), dtype=bool)
+    starts_segment[:, 1:] = ((span_of[:, 1:] != span_of[:, :-1]) | (frame[:, 1:] != frame[:, :-1])
+                             | (shift[:, 1:] != shift[:, :-1]))
+    tables = _LayoutTables(
+        span_of, _host(layout.context_pos), frame, shift,
+        None if layout.span_id is None else _host(layout.span_id),
+        np.zeros(reqs, np.int64) if layout.links_end is None else _host(layout.links_end),
+        np.zeros(reqs, np.int64) if layout.link_tokens is None else _host(layout.link_tokens),
+        block, starts_segment,
+        np.maximum.accumulate(np.where(starts_segment, block, 0), axis=1))
+    layout.__dict__["_plan_tables"] = (used, tables)  # the tensors themselves: no id reuse
+    return tables
 
 
 def _host(t: torch.Tensor) -> np.ndarray:

@@ -46,6 +46,7 @@ _protocol: SpanProtocol | None = None
 _mask_markers = False  # hide marker and padding keys (minipic option mask_markers)
 _mrv2_idx_mapping: torch.Tensor | None = None  # rows of the batch being run (MRV2)
 _mrv2_idx_mapping_np = None  # the same rows on the host (numpy)
+_last_host_layout: tuple | None = None  # (what it was built from, SpanLayout): _host_layout
 
 
 class OneEnginePerProcessError(RuntimeError):
@@ -148,12 +149,17 @@ class SpanLayout:
                                                 device=self.span_of.device))
 
     def to(self, device: torch.device | str) -> "SpanLayout":
+        """The layout on `device`: itself when it is there already (a plan's tables of it
+        are then kept, segment_plan._layout_tables)."""
+        tables = (self.span_of, self.context_pos, self.shift, self.frame_offset,
+                  self.links_end, self.link_tokens, self.quiet, self.logical,
+                  self.read_offset, self.span_id)
+        if all(t is None or t.device == torch.device(device) for t in tables):
+            return self
         # To the GPU without waiting for it (host tables are not reused after the copy).
         to_gpu = torch.device(device).type == "cuda"
-        moved = [None if t is None else t.to(device, non_blocking=to_gpu) for t in (
-            self.span_of, self.context_pos, self.shift, self.frame_offset, self.links_end,
-            self.link_tokens, self.quiet, self.logical, self.read_offset, self.span_id)]
-        return SpanLayout(*moved)
+        return SpanLayout(*[None if t is None else t.to(device, non_blocking=to_gpu)
+                            for t in tables])
 
     def has_links(self) -> bool:
         return bool(self.shift.any())
@@ -272,12 +278,8 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
     generated tokens, which only the GPU's table holds)."""
     width = None if max_seq_len is None else -(-max_seq_len // block_size) * block_size
     if not _mask_markers:
-        on_host = _host_blocks(num_reqs, block_size, width)
-        if on_host is not None:
-            firsts, span_ids, prompt_lens = on_host
-            layout = span_layout(firsts, _protocol, block_size, prompt_lens)
-            if span_ids is not None:
-                layout.span_id = torch.where(layout.span_of >= 0, span_ids, -1)
+        layout = _host_layout(num_reqs, block_size, width)
+        if layout is not None:
             return layout
     found = _token_rows(num_reqs, width)
     if found is None:
@@ -289,19 +291,30 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
     return layout
 
 
-def _host_blocks(num_reqs: int, block_size: int, width: int | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-    """MRV2: the batch's block first tokens, span ids and prompt lengths from the
-    runner's host copy of its prompts (attention.host_prompts); None on the V1 runner
-    (its table is on the host already) and before the first real batch."""
+def _host_layout(num_reqs: int, block_size: int, width: int | None) -> SpanLayout | None:
+    """MRV2: the batch's layout from the runner's host copy of its prompts
+    (attention.host_prompts); None on the V1 runner (its table is on the host already) and
+    before the first real batch. The layout depends on the prompts and the batch's width
+    only, so a decode step whose batch holds the same requests as the last step's reuses
+    that layout (and the plan's tables of it): it is not changed after it is built."""
+    global _last_host_layout
     runner = _runner()
     prompts = getattr(runner, "minipic_host_prompts", None)
     if prompts is None or _mrv2_idx_mapping_np is None or width is None:
         return None
     rows = _mrv2_idx_mapping_np[:num_reqs]
+    key = (prompts, prompts.generation, rows.tobytes(), block_size, width)
+    if _last_host_layout is not None and _last_host_layout[0] == key:
+        return _last_host_layout[1]
     # one request shares with no one: its spans' ids are not worth their hashing
-    found = prompts.blocks(rows, block_size, width // block_size, span_ids=num_reqs > 1)
-    return tuple(None if a is None else torch.from_numpy(a) for a in found)
+    firsts, span_ids, prompt_lens = prompts.blocks(rows, block_size, width // block_size,
+                                                   span_ids=num_reqs > 1)
+    layout = span_layout(torch.from_numpy(firsts), _protocol, block_size,
+                         torch.from_numpy(prompt_lens))
+    if span_ids is not None:
+        layout.span_id = torch.where(layout.span_of >= 0, torch.from_numpy(span_ids), -1)
+    _last_host_layout = (key, layout)
+    return layout
 
 
 def take_no_room(layout: SpanLayout, quiet: torch.Tensor, block_size: int) -> None:

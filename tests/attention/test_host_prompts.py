@@ -37,6 +37,44 @@ def test_block_firsts_are_the_prompt_blocks_first_tokens():
     assert prompts.blocks(np.array([7]), BLOCK, 4)[0].tolist() == [[3, 3, 3, -1]]
 
 
+class Runner:
+    pass
+
+
+def mrv2_runner(monkeypatch, prompts: dict, rows: np.ndarray) -> Runner:
+    """A stand-in Model Runner V2 holding `prompts` by row, running `rows`, registered as
+    register_runner and prepare_inputs would (its token table is never read here)."""
+    runner = Runner()
+    runner.minipic_host_prompts = HostPrompts(P)
+    for row, prompt in prompts.items():
+        runner.minipic_host_prompts.add(row, prompt)
+    for name, value in (("_runner", weakref.ref(runner)), ("_protocol", P),
+                        ("_mask_markers", False), ("_mrv2_idx_mapping_np", rows),
+                        ("_last_host_layout", None)):
+        monkeypatch.setattr(sl, name, value)
+    return runner
+
+
+def test_a_decode_step_over_the_same_requests_reuses_the_layout(monkeypatch):
+    """The same rows, prompts and width: the last step's layout object (and the plan's
+    tables of it); a new prompt in a row, another batch or a wider batch: a new layout."""
+    rng = random.Random(6)
+    rows = np.array([1, 0])
+    prompts = {row: span_prompt(rng, 6) for row in rows.tolist()}
+    runner = mrv2_runner(monkeypatch, prompts, rows)
+    first = sl.current_layout(2, BLOCK, max_seq_len=7 * BLOCK)
+    assert sl.current_layout(2, BLOCK, max_seq_len=7 * BLOCK - 3) is first  # same width
+    assert first.to("cpu") is first
+    wider = sl.current_layout(2, BLOCK, max_seq_len=8 * BLOCK)
+    assert wider is not first and wider.span_of.shape[1] == 8
+    monkeypatch.setattr(sl, "_mrv2_idx_mapping_np", rows[::-1].copy())
+    swapped = sl.current_layout(2, BLOCK, max_seq_len=8 * BLOCK)
+    assert swapped is not wider and torch.equal(swapped.span_of, wider.span_of.flip(0))
+    runner.minipic_host_prompts.add(0, [4] + words(rng, 90))  # row 0 runs another request
+    replaced = sl.current_layout(2, BLOCK, max_seq_len=8 * BLOCK)
+    assert replaced is not swapped and (replaced.span_of[0] < 0).all()
+
+
 def test_mrv2_layout_from_host_prompts_matches_the_token_table(monkeypatch):
     """Generated tokens past each prompt (markers among them) count for nothing, as in
     the token-table layout: the two layouts agree field by field."""
@@ -52,16 +90,7 @@ def test_mrv2_layout_from_host_prompts_matches_the_token_table(monkeypatch):
     want = sl.span_layout(table[:, ::BLOCK], P, BLOCK,
                           torch.tensor([len(prompts[r]) for r in rows.tolist()]))
 
-    class Runner:
-        pass
-
-    runner = Runner()
-    runner.minipic_host_prompts = HostPrompts(P)
-    for row, prompt in prompts.items():
-        runner.minipic_host_prompts.add(row, prompt)
-    for name, value in (("_runner", weakref.ref(runner)), ("_protocol", P),
-                        ("_mask_markers", False), ("_mrv2_idx_mapping_np", rows)):
-        monkeypatch.setattr(sl, name, value)  # what register_runner and prepare_inputs set
+    runner = mrv2_runner(monkeypatch, prompts, rows)
     got = sl.current_layout(len(rows), BLOCK, max_seq_len=width)
     assert got.span_of.device.type == "cpu"
     for field in ("span_of", "context_pos", "shift", "frame_offset", "links_end", "link_tokens"):
