@@ -21,8 +21,11 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |                                                  |             | ropes cached for another engine       |
 |                                                  |             | (model_executor.layers.rotary_embedding._ROPE_DICT) |
 | v1.worker.gpu.model_runner.GPUModelRunner        | worker      | same for Model Runner V2, plus the    |
-|   .__init__, .prepare_inputs and .add_requests   |             | batch's rows of that table and a host |
-|                                                  |             | copy of each prompt (host_prompts.py) |
+|   .__init__, .prepare_inputs, .add_requests and  |             | batch's rows of that table and a host |
+|   ._remove_request                               |             | copy of each running prompt           |
+|                                                  |             | (host_prompts.py)                     |
+| v1.core.sched.scheduler.Scheduler.schedule       | engine core | tag new requests with whether they    |
+|   (AsyncScheduler's too: it inherits it)         |             | carry a cache_salt (never shared)     |
 | v1.engine.input_processor.InputProcessor         | front end   | refuse a prompt whose SSep/PDep/link  |
 |   ._validate_model_input                         | (API / LLM) | is not at a block start, or whose     |
 |                                                  |             | links lack their spans (HTTP 400)     |
@@ -53,10 +56,12 @@ versions, worker process unless said otherwise):
 | V1 runner .input_batch.token_ids_cpu_tensor,      | attention/            | marker blocks of each    |
 |   .num_prompt_tokens                              |   span_layout.py      | request (prompt part)    |
 | MRV2 runner .req_states.all_token_ids.gpu,        | attention/            | same on Model Runner V2, |
-|   .prompt_len.gpu (mask_markers), .req_id_to_index; |   span_layout.py    | rows of the batch        |
-|   prepare_inputs' idx_mapping, .idx_mapping_np;   |                       |                          |
-|   scheduled_new_reqs' .req_id, .prompt_token_ids, | _vllm_patches.py    | host copies of prompts;  |
-|   .lora_request, .mm_features, .prompt_embeds     |                       | which may share spans    |
+|   .prompt_len.gpu (mask_markers),                 |   span_layout.py      | rows of the batch        |
+|   .req_id_to_index; prepare_inputs' idx_mapping,  |                       |                          |
+|   .idx_mapping_np                                 |                       |                          |
+| scheduled_new_reqs' .req_id, .prompt_token_ids,   | _vllm_patches.py      | host copies of prompts,  |
+|   .lora_request, .mm_features, .prompt_embeds;    |                       | which may share spans    |
+|   Scheduler .requests[id].cache_salt (engine core)|                       |                          |
 | RotaryEmbedding ._compute_cos_sin_cache,          | attention/rope.py     | fp32 cos/sin table for   |
 |   .head_size, .rotary_dim, .is_neox_style,        |                       | attention                |
 |   .scaling_factors                                |                       |                          |
@@ -111,6 +116,7 @@ def apply_all() -> None:
     _patch_attention_selector()
     _patch_model_runner_init()
     _patch_model_runner_v2()
+    _patch_scheduler_salt()
     _patch_prompt_validation()
     _patch_prompt_end_check()
     _patch_api_routers()
@@ -319,9 +325,20 @@ def _patch_model_runner_v2() -> None:
                 _note_host_prompts(self, scheduler_output)
         return add_requests
 
+    def make_remove_request(original):
+        def _remove_request(self, req_id, *args, **kwargs):
+            row = self.req_states.req_id_to_index.get(req_id)
+            removed = original(self, req_id, *args, **kwargs)
+            prompts = getattr(self, "minipic_host_prompts", None)
+            if removed and prompts is not None and row is not None:
+                prompts.remove(row)  # finished or preempted: its copy and span ids go
+            return removed
+        return _remove_request
+
     _wrap(model_runner.GPUModelRunner, "__init__", _register_runner_after_init)
     _wrap(model_runner.GPUModelRunner, "prepare_inputs", make_prepare_inputs)
     _wrap(model_runner.GPUModelRunner, "add_requests", make_add_requests)
+    _wrap(model_runner.GPUModelRunner, "_remove_request", make_remove_request)
 
 
 def _note_host_prompts(runner, scheduler_output) -> None:
@@ -334,11 +351,36 @@ def _note_host_prompts(runner, scheduler_output) -> None:
     if prompts is None:
         prompts = runner.minipic_host_prompts = HostPrompts(current_protocol())
     for new in scheduler_output.scheduled_new_reqs:
-        # KV that depends on more than the tokens is never shared with another request
+        # Never shared with another request: KV that depends on more than the tokens, and a
+        # request with a cache_salt (its tenant's isolation; tagged by the scheduler, see
+        # _patch_scheduler_salt: untagged counts as salted).
         shareable = (new.lora_request is None and not new.mm_features
-                     and getattr(new, "prompt_embeds", None) is None)
-        prompts.add(runner.req_states.req_id_to_index[new.req_id], new.prompt_token_ids,
-                    shareable)
+                     and getattr(new, "prompt_embeds", None) is None
+                     and getattr(new, "minipic_salted", True) is False)
+        prompts.add(runner.req_states.req_id_to_index[new.req_id],
+                    new.prompt_token_ids or [], shareable)  # embeddings only: no tokens
+
+
+def _patch_scheduler_salt() -> None:
+    """Tag each new request's data for the worker with whether it carries a cache_salt
+    (NewRequestData has no salt; the worker's span sharing must not cross tenants)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def make(original):
+        def schedule(self, *args, **kwargs):
+            output = original(self, *args, **kwargs)
+            if is_enabled(self.vllm_config):
+                _tag_salted(self.requests, output)
+            return output
+        return schedule
+
+    _wrap(Scheduler, "schedule", make)
+
+
+def _tag_salted(requests: dict, scheduler_output) -> None:
+    for new in scheduler_output.scheduled_new_reqs:
+        request = requests.get(new.req_id)
+        new.minipic_salted = request is None or request.cache_salt is not None
 
 
 def _patch_prompt_validation() -> None:

@@ -182,8 +182,11 @@ def main() -> None:
         return
     if args.out is None:
         parser.error("--out is required")
-    if not set(args.engines.split(",")) <= set(ENGINES):
+    engines = args.engines.split(",")
+    if not set(engines) <= set(ENGINES) or len(set(engines)) != len(engines):
         parser.error(f"--engines: one or both of {', '.join(ENGINES)}")
+    if args.doc_sets < 1:
+        parser.error("--doc-sets: at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-decode-"))
     model, engine, markers = make_model(args.arch, work)

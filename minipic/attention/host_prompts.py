@@ -3,9 +3,9 @@
 MRV2 keeps token ids where the GPU reads them; reading them back to build a batch's
 span layout waits for the GPU at every step (and with vLLM's asynchronous scheduling
 stops the host from preparing a step while the previous one runs). Markers count in
-prompts only (the hasher's rule), and a prompt never changes while its request runs,
-so the layout needs nothing but the prompts, kept here when the runner adds requests
-(a resumed request is added again, with the same prompt).
+prompts only (the hasher's rule), so the layout needs nothing but the prompts, kept
+here from when the runner adds a request (a resumed request, or one whose streamed
+input grew, is added again) until it removes it (finished or preempted).
 """
 
 from __future__ import annotations
@@ -37,13 +37,27 @@ class HostPrompts:
 
         `shareable` False: its KV depends on more than its tokens (a LoRA adapter,
         multimodal inputs, prompt embeddings), so its spans get no ids: never shared."""
+        self._forget(row)
         self._prompts[row] = np.asarray(prompt, dtype=np.int64)
         self._shareable[row] = shareable
         self.generation += 1  # layouts built from the rows before are stale
+
+    def _forget(self, row: int) -> None:
+        """Drop what was derived from row `row`'s prompt, its span ids given back."""
         for key in [k for k in self._firsts if k[0] == row]:
             del self._firsts[key]
         for key in [k for k in self._ids if k[0] == row]:
             self.span_ids.release(self._ids.pop(key)[1])
+
+    def remove(self, row: int) -> None:
+        """Request row `row` runs nothing now: its prompt and span ids go."""
+        self._prompts.pop(row, None)
+        self._shareable.pop(row, None)
+        self._forget(row)
+        self.generation += 1
+
+    def __len__(self) -> int:
+        return len(self._prompts)
 
     def blocks(self, rows: np.ndarray, block_size: int, blocks: int, span_ids: bool = True
                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
@@ -51,7 +65,7 @@ class HostPrompts:
         never a marker) and, with `span_ids`, its span id (span_identity.NO_ID outside
         spans; else None), and [len(rows)] prompt lengths."""
         firsts = np.full((len(rows), blocks), -1, dtype=np.int64)
-        ids = np.full((len(rows), blocks), -1, dtype=np.int64) if span_ids else None
+        ids = np.full((len(rows), blocks), NO_ID, dtype=np.int64) if span_ids else None
         lengths = np.empty(len(rows), dtype=np.int64)
         for i, row in enumerate(rows.tolist()):
             key = (row, block_size)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from minipic.attention.span_identity import NO_ID
 from minipic.attention.span_layout import SpanLayout
 
 
@@ -254,10 +255,12 @@ class _QueryRuns:
                          self.request[row_run], table)
         if self.span_id is None:
             return rows
-        # a row's ids: those of its last block, when its first is a span block too
-        first_id = self.span_id[rows.row_request, block[heads]]
-        last_id = self.span_id[rows.row_request, block[heads + counts - 1]]
-        return _shared(rows, np.where(first_id >= 0, last_id, -1))
+        # A row's id: its last block's, when its first block has one too and lies in the same
+        # span (a stretch of one frame is one span's blocks today; the check keeps it so).
+        request, first, last = rows.row_request, block[heads], block[heads + counts - 1]
+        one_span = ((self.span_id[request, first] != NO_ID)
+                    & (self.span_of[request, first] == self.span_of[request, last]))
+        return _shared(rows, np.where(one_span, self.span_id[request, last], NO_ID))
 
 
 def _shared(rows: _RowParts, last_span_id: np.ndarray) -> _RowParts:
@@ -270,13 +273,17 @@ def _shared(rows: _RowParts, last_span_id: np.ndarray) -> _RowParts:
     in its own prompt). A decode batch over shared documents then reads each document once
     per layer, not once per request."""
     count = rows.row_request.size
-    # rows without a span id (-1) get keys of their own: never shared
-    unique_key = -1 - np.arange(count)
-    key = np.where(last_span_id >= 0, last_span_id * (rows.key_lens.max() + 1) + rows.key_lens,
-                   unique_key)
-    _, first, group = np.unique(key, return_index=True, return_inverse=True)
+    # rows without a span id get a key of their own (negative ids): never shared
+    ids = np.where(last_span_id != NO_ID, last_span_id, -1 - np.arange(count))
+    _, first, group = np.unique(np.stack([ids, rows.key_lens], axis=1), axis=0,
+                                return_index=True, return_inverse=True)
     if first.size == count:
         return rows
+    # groups in the order of their first row (np.unique sorts them by key)
+    by_first = np.argsort(first)
+    rank = np.empty_like(by_first)
+    rank[by_first] = np.arange(by_first.size)
+    group, first = rank[group.reshape(-1)], first[by_first]
     order = np.argsort(np.repeat(group, rows.query_lens), kind="stable")
     return _RowParts(rows.query_index[order], rows.query_turn[order],
                      np.bincount(group, weights=rows.query_lens).astype(np.int64),

@@ -10,11 +10,11 @@ prefix once.
 Blocks are told apart by a 128-bit BLAKE2b chain over their span's tokens: spans
 that differ never share an id, even when a client crafts them to. A request whose KV
 depends on more than its tokens (a LoRA adapter, multimodal inputs, prompt embeddings)
-gets no ids (host_prompts.py). A cache_salt does not reach the worker: two requests
-with different salts and the same document tokens may read one copy of the same keys
-in a step; no tokens or keys of either reach the other's answer. The ids are small
-integers, one per distinct chain among the running prompts, freed when no running
-prompt holds them: the table is as large as the running batch, not the traffic.
+and a request with a cache_salt (its tenant's isolation: sharing would tell in the step
+time that another request holds the same document) get no ids (host_prompts.py,
+_vllm_patches._note_host_prompts). The ids are integers,
+one per distinct chain among the running prompts; the table drops a chain when no
+running prompt holds it, so it is as large as the running batch, not the traffic.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from minipic.attention.span_identity import NO_ID
 from minipic.protocol import SpanProtocol
 
 
@@ -156,9 +157,7 @@ class SpanLayout:
                   self.read_offset, self.span_id)
         if all(t is None or t.device == torch.device(device) for t in tables):
             return self
-        # To the GPU without waiting for it (host tables are not reused after the copy).
-        to_gpu = torch.device(device).type == "cuda"
-        return SpanLayout(*[None if t is None else t.to(device, non_blocking=to_gpu)
+        return SpanLayout(*[None if t is None else _moved(t, torch.device(device))
                             for t in tables])
 
     def has_links(self) -> bool:
@@ -179,6 +178,14 @@ class SpanLayout:
             return False
         has_quiet = self.quiet.any(dim=1).to(self.span_of.device)
         return bool((has_quiet & (self.span_of < 0).any(dim=1)).any())
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; host to GPU through pinned memory, without waiting for the GPU (a
+    pageable copy would)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_size: int,
@@ -312,7 +319,7 @@ def _host_layout(num_reqs: int, block_size: int, width: int | None) -> SpanLayou
     layout = span_layout(torch.from_numpy(firsts), _protocol, block_size,
                          torch.from_numpy(prompt_lens))
     if span_ids is not None:
-        layout.span_id = torch.where(layout.span_of >= 0, torch.from_numpy(span_ids), -1)
+        layout.span_id = torch.where(layout.span_of >= 0, torch.from_numpy(span_ids), NO_ID)
     _last_host_layout = (key, layout)
     return layout
 

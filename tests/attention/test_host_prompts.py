@@ -163,3 +163,78 @@ def test_a_prompt_whose_kv_is_more_than_its_tokens_shares_nothing():
     prompts.add(1, prompt, shareable=False)
     _, ids, _ = prompts.blocks(np.array([0, 1]), BLOCK, 3)
     assert (ids[0, :2] >= 0).all() and (ids[1] == -1).all()
+
+
+def test_a_removed_request_gives_back_its_prompt_and_ids():
+    """Finished or preempted (the runner's _remove_request): nothing of it stays."""
+    rng = random.Random(7)
+    prompts = HostPrompts(P)
+    prompts.add(3, [3] + words(rng, 31) + [4] + words(rng, 3))
+    prompts.blocks(np.array([3]), BLOCK, 3)
+    assert len(prompts) == 1 and len(prompts.span_ids) == 2
+    before = prompts.generation
+    prompts.remove(3)
+    assert len(prompts) == 0 and len(prompts.span_ids) == 0 and prompts.generation > before
+
+
+def test_shared_documents_from_host_prompts_to_the_plan(monkeypatch):
+    """EPIC prompts from the recipe: two requests over the same documents behind headers of
+    other lengths share every document row of a decode step; a third over other documents,
+    and a fourth over the same documents but not shareable (a cache_salt, LoRA...), do not."""
+    from minipic.attention.segment_plan import segment_plan
+    from minipic.client.prompts.recipes import epic
+
+    rng = random.Random(8)
+    docs, others = [words(rng, 40) for _ in range(3)], [words(rng, 40) for _ in range(3)]
+    prompts = {0: epic(docs, words(rng, 20), system=words(rng, 10), protocol=P,
+                       block_size=BLOCK).final,
+               1: epic(others, words(rng, 20), system=words(rng, 10), protocol=P,
+                       block_size=BLOCK).final,
+               2: epic(docs, words(rng, 20), system=words(rng, 30), protocol=P,
+                       block_size=BLOCK).final,
+               3: epic(docs, words(rng, 20), system=words(rng, 10), protocol=P,
+                       block_size=BLOCK).final}
+    rows = np.array([0, 1, 2, 3])
+    runner = mrv2_runner(monkeypatch, {r: prompts[r] for r in (0, 1, 2)}, rows)
+    runner.minipic_host_prompts.add(3, prompts[3], shareable=False)
+    seq_lens = [len(prompts[r]) + 5 for r in rows.tolist()]
+    layout = sl.current_layout(len(rows), BLOCK, max_seq_len=max(seq_lens))
+    plan = segment_plan(layout, list(range(len(rows) + 1)), seq_lens, BLOCK, link_shifts=True)
+    earlier = plan.earlier
+    sizes = (earlier.cu_seqlens_q[1:] - earlier.cu_seqlens_q[:-1]).tolist()
+    shared = [i for i, n in enumerate(sizes) if n > 1]
+    assert len(shared) == 3 and all(sizes[i] == 2 for i in shared)  # docs: requests 0 and 2
+    assert {int(earlier.row_request[i]) for i in shared} == {0}
+    assert earlier.row_request.tolist().count(1) == 3 and earlier.row_request.tolist().count(3) == 3
+    layout.span_id = None  # unknown identity: a row per request and document
+    assert segment_plan(layout, list(range(len(rows) + 1)), seq_lens, BLOCK,
+                        link_shifts=True).earlier.row_request.numel() == 12
+
+
+def test_only_unsalted_plain_token_requests_are_tagged_shareable(monkeypatch):
+    """What the patches decide: the scheduler tags each new request with its salt; the
+    runner shares only untagged-salt, LoRA-free, text-only requests."""
+    from types import SimpleNamespace
+
+    from minipic import _vllm_patches as patches
+
+    def new(req_id, **extra):
+        fields = dict(req_id=req_id, prompt_token_ids=[3] + list(range(10, 41)),
+                      lora_request=None, mm_features=[], prompt_embeds=None)
+        return SimpleNamespace(**{**fields, **extra})
+
+    output = SimpleNamespace(scheduled_new_reqs=[new("a"), new("b"), new("gone")])
+    patches._tag_salted({"a": SimpleNamespace(cache_salt=None),
+                         "b": SimpleNamespace(cache_salt="tenant-1")}, output)
+    assert [n.minipic_salted for n in output.scheduled_new_reqs] == [False, True, True]
+    output.scheduled_new_reqs += [new("lora", minipic_salted=False, lora_request=object()),
+                                  new("untagged"), new("embeds", minipic_salted=False)]
+    output.scheduled_new_reqs[-1].prompt_token_ids = None
+    runner = Runner()
+    runner.req_states = SimpleNamespace(req_id_to_index={n.req_id: i for i, n in enumerate(
+        output.scheduled_new_reqs)})
+    monkeypatch.setattr(sl, "_protocol", P)  # what register_runner sets
+    patches._note_host_prompts(runner, output)
+    _, ids, lengths = runner.minipic_host_prompts.blocks(np.arange(6), BLOCK, 2)
+    assert (ids[0] >= 0).all() and (ids[1:] == -1).all()
+    assert lengths[-1] == 0  # embeddings only: no tokens, no markers
