@@ -59,6 +59,11 @@ class HostPrompts:
     def __len__(self) -> int:
         return len(self._prompts)
 
+    def holds(self, rows: np.ndarray) -> bool:
+        """Whether every row runs a prompt this copy holds (a dummy batch after serving
+        names rows of requests that have finished)."""
+        return all(row in self._prompts for row in rows.tolist())
+
     def blocks(self, rows: np.ndarray, block_size: int, blocks: int, span_ids: bool = True
                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """[len(rows), blocks] first token of each prompt block (-1 past the prompt,

@@ -313,6 +313,8 @@ def _host_layout(num_reqs: int, block_size: int, width: int | None) -> SpanLayou
     key = (prompts, prompts.generation, rows.tobytes(), block_size, width)
     if _last_host_layout is not None and _last_host_layout[0] == key:
         return _last_host_layout[1]
+    if not prompts.holds(rows):
+        return None  # not a batch of running requests (a dummy run): the runner's table
     # one request shares with no one: its spans' ids are not worth their hashing
     firsts, span_ids, prompt_lens = prompts.blocks(rows, block_size, width // block_size,
                                                    span_ids=num_reqs > 1)

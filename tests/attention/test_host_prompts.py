@@ -45,6 +45,7 @@ def mrv2_runner(monkeypatch, prompts: dict, rows: np.ndarray) -> Runner:
     """A stand-in Model Runner V2 holding `prompts` by row, running `rows`, registered as
     register_runner and prepare_inputs would (its token table is never read here)."""
     runner = Runner()
+    runner.req_states = None  # an MRV2 runner (its GPU token table unused: no idx_mapping)
     runner.minipic_host_prompts = HostPrompts(P)
     for row, prompt in prompts.items():
         runner.minipic_host_prompts.add(row, prompt)
@@ -73,6 +74,10 @@ def test_a_decode_step_over_the_same_requests_reuses_the_layout(monkeypatch):
     runner.minipic_host_prompts.add(0, [4] + words(rng, 90))  # row 0 runs another request
     replaced = sl.current_layout(2, BLOCK, max_seq_len=8 * BLOCK)
     assert replaced is not swapped and (replaced.span_of[0] < 0).all()
+    # Row 1 finished; a dummy batch still names it: no host layout (the runner's own
+    # table speaks for such batches; this stand-in has no device rows), and no crash.
+    runner.minipic_host_prompts.remove(1)
+    assert sl.current_layout(2, BLOCK, max_seq_len=8 * BLOCK) is None
 
 
 def test_mrv2_layout_from_host_prompts_matches_the_token_table(monkeypatch):
