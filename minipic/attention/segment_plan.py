@@ -118,6 +118,20 @@ def segment_plan(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[
     rotation, not two); else the caller turned link queries already."""
     if layout.quiet is not None:
         raise ValueError("quiet keys hide single keys: the segment plan cannot express them")
+    asked = (list(query_start_loc[: len(seq_lens) + 1]), list(seq_lens), block_size, link_shifts)
+    tables = _layout_tables(layout)
+    last = layout.derived.get("last_plan")
+    plan = None
+    if last is not None and last[0] is tables:  # the same tables as then
+        plan = _one_token_on(tables, *last[1:], *asked)
+    if plan is None:
+        plan = _planned(layout, *asked)
+    layout.derived["last_plan"] = (tables, *asked, plan)
+    return plan
+
+
+def _planned(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
+             block_size: int, link_shifts: bool) -> SegmentPlan:
     runs = _QueryRuns(layout, query_start_loc, seq_lens, block_size)
     turn = runs.key_turns()
     if link_shifts:  # one shift per run (runs split where the shift changes)
@@ -136,6 +150,56 @@ def segment_plan(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[
     entries = np.argsort(token, kind="stable").astype(np.int32)
     joint = _rows(*_joined(own_parts, earlier_parts)) if own.max_seqlen_q == 1 else None
     return SegmentPlan(own, earlier, torch.from_numpy(starts), torch.from_numpy(entries), joint)
+
+
+def _one_token_on(tables: "_LayoutTables", last_starts: list[int], last_lens: list[int],
+                  last_block_size: int, last_shifts: bool, plan: SegmentPlan,
+                  query_start_loc: list[int], seq_lens: list[int], block_size: int,
+                  link_shifts: bool) -> SegmentPlan | None:
+    """A decode step's plan from the last step's over the same layout, or None when this
+    batch is not that: the same requests, one query each, every one a token further.
+
+    Only each request's own row changes: one key longer, and one block longer where its
+    new token starts a block (of the same segment: generated tokens start no span). The
+    earlier rows, turns and merge stay, so the step costs a few array writes, not a plan."""
+    n = len(seq_lens)
+    one_query_each = query_start_loc == list(range(n + 1))
+    if not (one_query_each and last_starts == query_start_loc and len(last_lens) == n
+            and (last_block_size, last_shifts) == (block_size, link_shifts)
+            and (plan.earlier is None or plan.joint is not None)):
+        return None
+    seq, last = np.asarray(seq_lens, dtype=np.int64), np.asarray(last_lens, dtype=np.int64)
+    if not (seq == last + 1).all() or not np.array_equal(plan.own.row_request.numpy(),
+                                                         np.arange(n)):
+        return None
+    new_block = (seq - 1) // block_size
+    grows = np.flatnonzero(new_block != (last - 1) // block_size)
+    if (new_block[grows] >= tables.block.size).any() \
+            or tables.starts_segment[grows, new_block[grows]].any():
+        return None
+    own = _longer(plan.own, n, grows, new_block[grows], block_size)
+    if plan.earlier is None:
+        return SegmentPlan(own, None)
+    return SegmentPlan(own, plan.earlier, plan.merge_starts, plan.merge_entries,
+                       _longer(plan.joint, n, grows, new_block[grows], block_size))
+
+
+def _longer(rows: FlashRows, n: int, grows: np.ndarray, new_block: np.ndarray,
+            block_size: int) -> FlashRows:
+    """`rows` with its first n rows (the requests' own, in request order) one key longer,
+    rows `grows` reading `new_block` after their last block."""
+    key_lens = rows.seqused_k.numpy().astype(np.int64)
+    table = rows.row_blocks.numpy()
+    filled = -(-key_lens[grows] // block_size)  # blocks each growing row reads now
+    if grows.size and filled.max() >= table.shape[1]:
+        table = np.pad(table, ((0, 0), (0, filled.max() + 1 - table.shape[1])))
+    else:
+        table = table.copy()
+    table[grows, filled] = new_block
+    key_lens[:n] += 1
+    return dataclasses.replace(rows, seqused_k=torch.from_numpy(key_lens.astype(np.int32)),
+                               row_blocks=torch.from_numpy(table),
+                               max_seqlen_k=int(key_lens.max()))
 
 
 def _joined(own: "_RowParts", earlier: "_RowParts") -> "_RowParts":
@@ -310,7 +374,7 @@ def _layout_tables(layout: SpanLayout) -> _LayoutTables:
     """`layout`'s _LayoutTables, computed once while its tables stay the same tensors."""
     used = (layout.span_of, layout.context_pos, layout.frame_offset, layout.shift,
             layout.span_id, layout.links_end, layout.link_tokens)
-    found = layout.__dict__.get("_plan_tables")
+    found = layout.derived.get("tables")
     if found is not None and all(a is b for a, b in zip(found[0], used)):
         return found[1]
     span_of, frame, shift = _host(layout.span_of), _host(layout.frame_offset), _host(layout.shift)
@@ -326,7 +390,7 @@ def _layout_tables(layout: SpanLayout) -> _LayoutTables:
         np.zeros(reqs, np.int64) if layout.link_tokens is None else _host(layout.link_tokens),
         block, starts_segment,
         np.maximum.accumulate(np.where(starts_segment, block, 0), axis=1))
-    layout.__dict__["_plan_tables"] = (used, tables)  # the tensors themselves: no id reuse
+    layout.derived["tables"] = (used, tables)  # the tensors themselves: no id reuse
     return tables
 
 

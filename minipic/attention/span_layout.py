@@ -141,6 +141,11 @@ class SpanLayout:
     # in the same frame, so requests sharing a document read it once (segment_plan.py).
     # None: not known, nothing shared.
     span_id: torch.Tensor | None = None
+    # What plans derive from this layout object (segment_plan.py): a decode step over the
+    # same requests gets the last step's layout object, so its plan starts from the last
+    # one. Not copied by dataclasses.replace (init=False): another layout derives anew.
+    derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                      compare=False)
 
     def __post_init__(self) -> None:
         rows = self.span_of.shape[0]

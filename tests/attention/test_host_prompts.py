@@ -5,6 +5,7 @@ import random
 import weakref
 
 import numpy as np
+import pytest
 import torch
 
 from minipic.attention import span_layout as sl
@@ -243,3 +244,47 @@ def test_only_unsalted_plain_token_requests_are_tagged_shareable(monkeypatch):
     _, ids, lengths = runner.minipic_host_prompts.blocks(np.arange(6), BLOCK, 2)
     assert (ids[0] >= 0).all() and (ids[1:] == -1).all()
     assert lengths[-1] == 0  # embeddings only: no tokens, no markers
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_steps_plan_as_from_scratch(monkeypatch, seed):
+    """Forty decode steps over one layout: each step's plan, made from the last one, equals
+    the plan made from scratch (requests crossing into new blocks at different steps)."""
+    import dataclasses
+
+    from minipic.attention import segment_plan as sp
+    from minipic.attention.segment_plan import segment_plan
+    from minipic.client.prompts.recipes import block_attention, epic
+
+    planned = []  # the layouts planned from scratch
+    original = sp._planned
+    monkeypatch.setattr(sp, "_planned", lambda layout, *a: planned.append(layout) or
+                        original(layout, *a))
+
+    rng = random.Random(seed)
+    docs = [words(rng, rng.randrange(20, 60)) for _ in range(4)]
+    prompts = {0: epic(docs, words(rng, 9), system=words(rng, 5), protocol=P,
+                       block_size=BLOCK).final,
+               1: block_attention(docs[1:], words(rng, 30), protocol=P, block_size=BLOCK).final,
+               2: words(rng, 70),
+               3: epic(docs[::-1], words(rng, 20), system=words(rng, 40), protocol=P,
+                       block_size=BLOCK).final}
+    rows = np.array([0, 1, 2, 3])
+    runner = mrv2_runner(monkeypatch, prompts, rows)  # held weakly by span_layout: keep it
+    lens = [len(prompts[r]) + rng.randrange(1, 16) for r in rows.tolist()]
+    width = max(lens) + 40
+    layout = sl.current_layout(4, BLOCK, max_seq_len=width)
+    for step in range(40):
+        seq = [n + step for n in lens]
+        assert sl.current_layout(4, BLOCK, max_seq_len=width) is layout is not None
+        got = segment_plan(layout, list(range(5)), seq, BLOCK, link_shifts=True)
+        fresh = segment_plan(dataclasses.replace(layout), list(range(5)), seq, BLOCK,
+                             link_shifts=True)
+        for part in ("own", "earlier", "joint"):
+            a, b = getattr(got, part), getattr(fresh, part)
+            for field in dataclasses.fields(a):
+                x, y = getattr(a, field.name), getattr(b, field.name)
+                assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), \
+                    (step, part, field.name)
+    assert runner.minipic_host_prompts.holds(rows)
+    assert sum(p is layout for p in planned) == 1  # the first step only: the rest stepped on
