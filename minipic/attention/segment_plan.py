@@ -123,6 +123,10 @@ def segment_plan(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[
     last = layout.derived.get("last_plan")
     plan = None
     if last is not None and last[0] is tables:  # the same tables as then
+        if tuple(last[1:-1]) == asked:
+            return last[-1]  # the same batch again (another KV cache group's builder)
+        # A stepped plan shares its unchanged tensors with the last one: plans are read,
+        # never written in place.
         plan = _one_token_on(tables, *last[1:], *asked)
     if plan is None:
         plan = _planned(layout, *asked)
