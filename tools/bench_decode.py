@@ -193,7 +193,7 @@ def main() -> None:
     (work / "prompts.json").write_text(json.dumps(prompts(args, markers, engine["block_size"])))
     rows = []
     for mode in args.modes.split(","):
-        for name in args.engines.split(","):
+        for name in engines:
             spec = dict(name=name, mode=mode, model=model, engine=engine, markers=markers,
                         prompts=str(work / "prompts.json"), batch=args.batch, steps=args.steps,
                         profile_dir=args.profile_dir and str(args.profile_dir),

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from minipic.attention.host_copy import to_device
 from minipic.attention.rope import current_rope
 from minipic.attention.rotation import Rotation
 
@@ -37,9 +38,7 @@ def token_turns(amounts: torch.Tensor | None, device: torch.device) -> Rotation 
     if amounts is None:
         return None
     rope = current_rope()
-    if torch.device(device).type == "cuda" and amounts.device.type == "cpu":
-        amounts = amounts.pin_memory()  # a pageable copy would wait for the GPU
-    return Rotation.back(amounts.to(device, non_blocking=True), rope.cos_sin(device),
+    return Rotation.back(to_device(amounts, device), rope.cos_sin(device),
                          rope.rotary_dim, rope.is_neox_style)
 
 

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from minipic.attention.host_copy import to_device
 from minipic.attention.span_identity import NO_ID
 from minipic.attention.span_layout import SpanLayout
 
@@ -100,10 +101,7 @@ def _move_packed(tensors: dict, device: torch.device) -> dict:
     moved = {}
     for dtype in {t.dtype for t in tensors.values()}:
         keys = [k for k, t in tensors.items() if t.dtype == dtype]
-        flat = torch.cat([tensors[k].reshape(-1) for k in keys])
-        if device.type == "cuda":
-            flat = flat.pin_memory()
-        flat = flat.to(device, non_blocking=True)
+        flat = to_device(torch.cat([tensors[k].reshape(-1) for k in keys]), device)
         for k, piece in zip(keys, flat.split([tensors[k].numel() for k in keys])):
             moved[k] = piece.view(tensors[k].shape)
     return moved

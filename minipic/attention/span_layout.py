@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from minipic.attention.host_copy import to_device
 from minipic.attention.span_identity import NO_ID
 from minipic.protocol import SpanProtocol
 
@@ -162,7 +163,7 @@ class SpanLayout:
                   self.read_offset, self.span_id)
         if all(t is None or t.device == torch.device(device) for t in tables):
             return self
-        return SpanLayout(*[None if t is None else _moved(t, torch.device(device))
+        return SpanLayout(*[None if t is None else to_device(t, device)
                             for t in tables])
 
     def has_links(self) -> bool:
@@ -183,14 +184,6 @@ class SpanLayout:
             return False
         has_quiet = self.quiet.any(dim=1).to(self.span_of.device)
         return bool((has_quiet & (self.span_of < 0).any(dim=1)).any())
-
-
-def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device`; host to GPU through pinned memory, without waiting for the GPU (a
-    pageable copy would)."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_size: int,
