@@ -18,7 +18,8 @@ round, then --rounds rounds of --batch requests with fresh questions, each decod
 --steps tokens; a step counts when every request of the batch decoded in it (no prefill
 mixed in). Reported: the median step time over all counted steps, per engine and mode
 (eager, or compiled with CUDA graphs), and minipic / stock side by side. --profile-dir
-traces one more short round per engine (tools/trace_summary.py summarises it).
+traces a few decode steps of one more round per engine, after its prefills
+(tools/trace_summary.py summarises it).
 """
 
 from __future__ import annotations
@@ -101,11 +102,8 @@ def engine_child(spec: dict) -> dict:
         if index:  # round 0 warms up
             steps += times
             cached += hits
-    if spec.get("profile_dir"):  # the warm-up's questions again (prefix hits), a few steps
-        llm.start_profile(profile_prefix=f"{spec['name']}-{spec['mode']}")
-        decode_round(llm, rounds[0], SamplingParams(max_tokens=PROFILED_STEPS + 1,
-                                                    temperature=0.0, ignore_eos=True), "prof")
-        llm.stop_profile()
+    if spec.get("profile_dir"):  # the warm-up's questions again (prefix hits)
+        profile_decode(llm, rounds[0], f"{spec['name']}-{spec['mode']}")
     llm.llm_engine.engine_core.shutdown()
     import torch
     import vllm
@@ -142,6 +140,27 @@ def decode_round(llm, tasks: list[list[int]], params, tag: str) -> tuple[list[fl
     return times, cached
 
 
+def profile_decode(llm, tasks: list[list[int]], prefix: str) -> None:
+    """Trace PROFILED_STEPS steps in which every request decodes: the prefills run first,
+    untraced, so the trace holds decode steps only."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=PROFILED_STEPS + 64, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(tasks):
+        engine.add_request(f"prof-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    decoded: set[str] = set()
+    while len(decoded) < len(tasks):  # until every request has its first token
+        decoded |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    llm.start_profile(profile_prefix=prefix)
+    for _ in range(PROFILED_STEPS):
+        engine.step()
+    llm.stop_profile()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def run_child(spec: dict, work: Path) -> dict:
     path = work / f"{spec['name']}-{spec['mode']}.json"
     path.write_text(json.dumps(spec))
@@ -170,7 +189,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default=DEFAULT_SERVER_RECIPE)
     parser.add_argument("--profile-dir", type=Path,
-                        help="also trace one more round of a few steps per engine (torch profiler)")
+                        help="also trace a few decode steps of one more round per engine "
+                             "(torch profiler; its prefills untraced)")
     parser.add_argument("--profile-stack", action="store_true",
                         help="the traces record Python stacks (where host time goes; slower)")
     parser.add_argument("--engines", default=",".join(ENGINES),
