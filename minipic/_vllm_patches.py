@@ -88,7 +88,8 @@ import logging
 from typing import Any, Callable
 
 from minipic.config import (CONFIG_KEY, CONNECTOR_NAME, check_option_keys, is_enabled,
-                            mask_markers, server_recipe, span_attention, span_protocol_of)
+                            mask_markers, server_recipe, span_attention, span_protocol_of,
+                            span_scale)
 from minipic.hashing.block_hasher import check_hash_algo
 from minipic.marker_checks import check_markers_fit_model
 from minipic.protocol import MisplacedMarkerError, SpanProtocol
@@ -97,6 +98,16 @@ from minipic.support import check_supported
 
 # A child of vLLM's logger, so it shares vLLM's handlers and format.
 logger = logging.getLogger("vllm.minipic")
+
+
+def _check_span_scale(vllm_config: Any) -> None:
+    """A span_scale other than 1 is attended by minipic's CPU (torch) backend only so far:
+    refused on other platforms at start-up rather than silently left at 1."""
+    from vllm.platforms import current_platform
+
+    if span_scale(vllm_config) != 1.0 and not current_platform.is_cpu():
+        raise ValueError(f"{CONFIG_KEY}.span_scale is attended by minipic's CPU backend only "
+                         f"so far; leave it at 1 on {current_platform.device_type}")
 
 CHECKED_VLLM_VERSIONS = ("0.25.1", "0.32.0")
 
@@ -172,6 +183,7 @@ def _prepare_config(vllm_config: Any) -> SpanProtocol:
     server_recipe(vllm_config)  # a bad `recipe` option fails at start-up, not per request
     span_attention(vllm_config)  # and bad `span_attention` or `mask_markers` values, before
     mask_markers(vllm_config)  # an engine process reads them
+    _check_span_scale(vllm_config)
     protocol = span_protocol_of(vllm_config)
     check_markers_fit_model(protocol, vllm_config)
     if not isinstance(vllm_config.additional_config, dict):
@@ -284,7 +296,8 @@ def _register_runner_after_init(original):
             from minipic.attention.span_layout import register_runner
 
             # first: it may refuse
-            register_runner(self, span_protocol_of(vllm_config), mask_markers(vllm_config))
+            register_runner(self, span_protocol_of(vllm_config), mask_markers(vllm_config),
+                            span_scale(vllm_config))
             _forget_cached_ropes()
             reset_rope()
     return __init__

@@ -14,7 +14,9 @@ Options (all optional): the span protocol's marker ids `ssep_token_id`,
 tokens), `enabled` (false turns an `additional_config` section off),
 `mask_markers` (true: marker and padding keys are hidden from every query
 outside their own span and take no room in positions; see docs/accuracy.md for
-what it does to answers), `recipe` (the
+what it does to answers), `span_scale` (CPU only for now: the share of its
+attention weight a query outside spans gives the keys of SSep spans, which were
+computed alone: APE's scale S, 1 = as computed; docs/accuracy.md), `recipe` (the
 span prompt the API server builds from a chat request's `documents`: "epic64",
 the default (each document's first 64 tokens recomputed, in whole blocks), "epic2"
 (two blocks), "epic" (one) or "block_attention"; see minipic/serving/chat_documents.py), `span_attention` (CUDA,
@@ -45,7 +47,7 @@ def connector_config(options: Mapping[str, Any] | None = None) -> dict[str, Any]
 # Every key minipic reads from its additional_config section, in one place: the
 # span protocol's fields (so a marker added there is allowed here) and the switch.
 ENGINE_OPTION_KEYS = frozenset(
-    {"enabled", "mask_markers", "recipe", "span_attention",
+    {"enabled", "mask_markers", "recipe", "span_attention", "span_scale",
      *(field.name for field in dataclasses.fields(SpanProtocol))})
 
 # Span prompts the API server can build from chat `documents` (option `recipe`), the names
@@ -115,6 +117,15 @@ def mask_markers(vllm_config: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{CONFIG_KEY}.mask_markers must be true or false, got {value!r}")
     return value
+
+
+def span_scale(vllm_config: Any) -> float:
+    """The weight a query outside spans gives SSep span keys (option `span_scale`)."""
+    value = (minipic_options(vllm_config) or {}).get("span_scale", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value <= 1:
+        raise ValueError(f"{CONFIG_KEY}.span_scale must be a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 SPAN_ATTENTION = ("flash", "triton")

@@ -110,15 +110,18 @@ class BlockAttentionReference:
 
     @torch.no_grad()
     def greedy_masked(self, tokens: list[int], allowed: torch.Tensor, positions: torch.Tensor,
-                      steps: int) -> tuple[list[int], list[float]]:
-        """Greedy decoding over a prompt with visibility `allowed` [n, n] and `positions` [n].
+                      steps: int, bias: torch.Tensor | None = None
+                      ) -> tuple[list[int], list[float]]:
+        """Greedy decoding over a prompt with visibility `allowed` [n, n] and `positions` [n]
+        (and `bias` [n, n] added to the scores of the keys seen, if given).
 
         Each generated token sees what the last prompt token sees, and itself; it
         sits one position after the last prompt token."""
         tokens, generated, logprobs = list(tokens), [], []
+        bias = torch.zeros(allowed.shape) if bias is None else bias
         for _ in range(steps):
             n = len(tokens)
-            mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            mask = bias.masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
             logits = self.model(torch.tensor([tokens]), attention_mask=mask,
                                 position_ids=positions[None]).logits[0, -1]
             log_probs = logits.log_softmax(-1)
@@ -126,16 +129,18 @@ class BlockAttentionReference:
             generated.append(token)
             logprobs.append(float(log_probs[token]))
             tokens.append(token)
-            allowed = _extend(allowed)
+            allowed = _extend(allowed, True)
+            bias = _extend(bias, 0.0)
             positions = torch.cat((positions, positions[-1:] + 1))
         return generated, logprobs
 
 
-def _extend(allowed: torch.Tensor) -> torch.Tensor:
-    """One more token that sees what the last one sees, and itself."""
-    n = allowed.shape[0]
-    grown = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    grown[:n, :n] = allowed
-    grown[n, :n] = allowed[n - 1]
-    grown[n, n] = True
+def _extend(table: torch.Tensor, own) -> torch.Tensor:
+    """One more token, which sees what the last one sees (its row of the [n, n] table, a
+    visibility or a bias, copied) and itself (`own`)."""
+    n = table.shape[0]
+    grown = torch.zeros(n + 1, n + 1, dtype=table.dtype)
+    grown[:n, :n] = table
+    grown[n, :n] = table[n - 1]
+    grown[n, n] = own
     return grown

@@ -127,7 +127,9 @@ def test_unknown_minipic_option_is_refused(tiny_model):
 
 
 @pytest.mark.parametrize("option,value", [("span_attention", "fa3"), ("recipe", "epic3"),
-                                          ("mask_markers", "yes")])
+                                          ("mask_markers", "yes"), ("span_scale", "half"),
+                                          ("span_scale", 0), ("span_scale", 1.5),
+                                          ("span_scale", True)])
 def test_bad_option_values_are_refused(tiny_model, option, value):
     with pytest.raises(ValueError, match=f"minipic.{option} must be"):
         start_llm(tiny_model, additional_config={"minipic": {option: value}})
@@ -212,3 +214,23 @@ def test_splitting_ops_that_capture_the_kv_cache_write_are_refused_on_cuda(monke
     assert not captured(None)  # vLLM's default splitting keeps the write out of graphs
     assert not captured(["vllm::unified_attention", "vllm::unified_kv_cache_update",
                          "vllm::unified_mla_kv_cache_update"])
+
+
+def test_span_scale_is_refused_where_no_backend_attends_it(monkeypatch):
+    """Only the CPU backend weights span keys so far: on a GPU the option would silently
+    be 1, so it is refused at start-up there (and accepted at 1)."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from minipic._vllm_patches import _check_span_scale
+
+    def config(value):
+        return SimpleNamespace(additional_config={"minipic": {"span_scale": value}})
+
+    _check_span_scale(config(0.5))  # this machine's CPU backend attends it
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setattr(type(current_platform), "device_type", "cuda")
+    _check_span_scale(config(1))
+    with pytest.raises(ValueError, match="span_scale is attended by minipic's CPU backend only"):
+        _check_span_scale(config(0.5))

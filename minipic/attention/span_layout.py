@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import weakref
 from typing import Any, Callable
 
@@ -46,6 +47,7 @@ def _no_runner() -> Any:
 _runner: Callable[[], Any] = _no_runner  # a weak reference to the registered runner
 _protocol: SpanProtocol | None = None
 _mask_markers = False  # hide marker and padding keys (minipic option mask_markers)
+_span_scale = 1.0  # the weight outside queries give span keys (minipic option span_scale)
 _mrv2_idx_mapping: torch.Tensor | None = None  # rows of the batch being run (MRV2)
 _mrv2_idx_mapping_np = None  # the same rows on the host (numpy)
 _last_host_layout: tuple | None = None  # (what it was built from, SpanLayout): _host_layout
@@ -55,7 +57,8 @@ class OneEnginePerProcessError(RuntimeError):
     """A second minipic engine in a process that still runs one."""
 
 
-def register_runner(runner: Any, protocol: SpanProtocol, mask_markers: bool = False) -> None:
+def register_runner(runner: Any, protocol: SpanProtocol, mask_markers: bool = False,
+                    span_scale: float = 1.0) -> None:
     """Called when minipic's worker builds its model runner (see _vllm_patches).
 
     The runner and the rope (attention.rope) are per process: a second live minipic
@@ -71,13 +74,19 @@ def register_runner(runner: Any, protocol: SpanProtocol, mask_markers: bool = Fa
                 "minipic serves one engine per process, and this process runs one already: "
                 "shut it down first, or keep vLLM's engine processes "
                 "(VLLM_ENABLE_V1_MULTIPROCESSING=1, the default)")
-    global _mask_markers
+    global _mask_markers, _span_scale
     _runner, _protocol, _mask_markers = weakref.ref(runner), protocol, mask_markers
+    _span_scale = span_scale
 
 
 def current_protocol() -> SpanProtocol | None:
     """The registered engine's markers (register_runner)."""
     return _protocol
+
+
+def current_span_scale() -> float:
+    """The registered engine's span_scale (register_runner; 1 without an engine)."""
+    return _span_scale
 
 
 def note_mrv2_batch(idx_mapping: torch.Tensor, idx_mapping_np=None) -> None:
@@ -436,6 +445,19 @@ def key_frame_offsets(layout: SpanLayout, row: int, seq_len: int, block_size: in
     table = layout.frame_offset if layout.read_offset is None else layout.read_offset
     key_block = torch.arange(seq_len, device=table.device) // block_size
     return table[row, key_block]
+
+
+def span_key_bias(layout: SpanLayout, row: int, seq_len: int, num_queries: int,
+                  block_size: int, scale: float) -> torch.Tensor:
+    """[num_queries, seq_len] float: log(scale) where a query outside spans meets a key
+    inside an SSep span, 0 elsewhere; added to the scores, it gives each such key `scale`
+    times its weight (APE's scale: those keys were computed alone). Link blocks are
+    outside spans: their keys were computed in context."""
+    key_block = torch.arange(seq_len, device=layout.span_of.device) // block_size
+    in_span = layout.span_of[row, key_block] >= 0
+    outside = ~in_span[seq_len - num_queries:]
+    pairs = outside[:, None] & in_span[None, :]
+    return torch.where(pairs, math.log(scale), 0.0)
 
 
 def visible_keys(layout: SpanLayout, row: int, seq_len: int, num_queries: int,

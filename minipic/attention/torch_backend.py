@@ -32,8 +32,9 @@ from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
 from minipic.attention.rotation import Rotation, turn_back
-from minipic.attention.span_layout import (SpanLayout, current_layout, key_frame_offsets,
-                                           key_turn_backs, token_shifts, visible_keys)
+from minipic.attention.span_layout import (SpanLayout, current_layout, current_span_scale,
+                                           key_frame_offsets, key_turn_backs, span_key_bias,
+                                           token_shifts, visible_keys)
 
 
 class MiniPICTorchBackend(PositionFreeTraits, CPUAttentionBackend):
@@ -66,6 +67,9 @@ class MiniPICTorchMetadata:
     # Per request, [queries, keys] visibility (span_layout.visible_keys), built once per
     # batch for all layers; None: plain causal attention.
     visible: list[torch.Tensor] | None = None
+    # Per request, [queries, keys] log(span_scale) where a query outside spans meets a
+    # span key (span_layout.span_key_bias); None: span_scale 1, nothing added.
+    span_bias: list[torch.Tensor] | None = None
     # Per request, (links_end, link_tokens) from the layout, and its keys' frame offsets
     # [seq_len], read once per batch (not per layer); None without a layout.
     links: list[tuple[int, int]] | None = field(init=False, default=None)
@@ -111,6 +115,10 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
         visible = None if layout is None else [
             visible_keys(layout, i, seq_len, query_start_loc[i + 1] - query_start_loc[i],
                          block_size) for i, seq_len in enumerate(seq_lens)]
+        scale = current_span_scale()
+        span_bias = None if layout is None or scale == 1.0 else [
+            span_key_bias(layout, i, seq_len, query_start_loc[i + 1] - query_start_loc[i],
+                          block_size, scale) for i, seq_len in enumerate(seq_lens)]
         return MiniPICTorchMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -123,6 +131,7 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
             key_turn=None if layout is None else token_turns(key_turn_backs(
                 layout, query_start_loc, seq_lens, block_size), self.device),
             visible=visible,
+            span_bias=span_bias,
         )
 
 
@@ -195,9 +204,10 @@ class MiniPICTorchImpl(AttentionImpl):
             if md.key_frames is not None:
                 k = md.key_rotation((i,), seq_len, rope, cos_sin).apply(k)
             visible = None if md.visible is None else md.visible[i]
+            bias = None if md.span_bias is None else md.span_bias[i]
             near = links_take_no_room(q, md.links, i, seq_len, rope, cos_sin)
             out[qsl[i] : qsl[i + 1]] = causal_attention(
-                q, k, v, self.scale, self.logits_soft_cap, visible, near).to(out.dtype)
+                q, k, v, self.scale, self.logits_soft_cap, visible, near, bias).to(out.dtype)
         return output
 
     def _short_queries(self, q_all: torch.Tensor, kv_cache: torch.Tensor,
@@ -224,12 +234,15 @@ class MiniPICTorchImpl(AttentionImpl):
         v = torch.where(kept[..., None, None], kv[..., self.head_size:], 0)
         q = q_all.new_zeros(len(requests), most, *q_all.shape[1:])
         visible = torch.zeros(len(requests), most, longest, dtype=torch.bool, device=device)
+        bias = None if md.span_bias is None else torch.zeros(visible.shape, device=device)
         for n, (i, t, s) in enumerate(zip(requests, lengths, seq_lens)):
             q[n, :t] = q_all[qsl[i] : qsl[i] + t]
             visible[n, :t, :s] = causal_rows(t, s, device) if md.visible is None else md.visible[i]
             visible[n, t:, 0] = True  # padding rows: any one key, their output is dropped
+            if bias is not None:
+                bias[n, :t, :s] = md.span_bias[i]
         out = attend(q, k, v, self.scale, self.logits_soft_cap, visible,
-                     self._turned_back(q, md, requests, lengths, seq_lens, rope, cos_sin))
+                     self._turned_back(q, md, requests, lengths, seq_lens, rope, cos_sin), bias)
         return torch.cat([out[n, :t] for n, t in enumerate(lengths)])
 
     @staticmethod
@@ -264,13 +277,15 @@ def gather_request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      soft_cap: float = 0.0, visible: torch.Tensor | None = None,
-                     near: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                     near: tuple[torch.Tensor, int] | None = None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the last len(q) positions over all len(k) keys, fp32.
 
     q [T, Hq, D] (rotated), k [S, Hkv, D] (rotated), v [S, Hkv, D]; query t sits
     at position S - T + t and sees keys 0..S-T+t (cached prefix plus causal), or
     the keys `visible` [T, S] allows (span_layout.visible_keys). `near` (q_near, n):
-    the keys before n are scored with q_near (links_take_no_room).
+    the keys before n are scored with q_near (links_take_no_room). `bias` [T, S]: added
+    to the scores (span_key_bias).
     """
     if visible is None:
         visible = causal_rows(q.shape[0], k.shape[0], q.device)
@@ -278,7 +293,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if near is not None:
         keys = torch.arange(k.shape[0], device=q.device)[None, :] < near[1]
         alternative = (near[0][None], keys)
-    return attend(q[None], k[None], v[None], scale, soft_cap, visible[None], alternative)[0]
+    return attend(q[None], k[None], v[None], scale, soft_cap, visible[None], alternative,
+                  None if bias is None else bias[None])[0]
 
 
 def links_take_no_room(q: torch.Tensor, links: list[tuple[int, int]] | None, row: int,
@@ -308,10 +324,12 @@ def causal_rows(num_queries: int, num_keys: int, device) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft_cap: float,
            visible: torch.Tensor,
-           alternative: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           alternative: tuple[torch.Tensor, torch.Tensor] | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batched masked attention in fp32: q [N, T, Hq, D], k and v [N, S, Hkv, D],
     visible [N, T, S] -> [N, T, Hq, D]. `alternative` (q_alt like q, keys [N, S] bool):
-    those keys are scored with q_alt instead of q."""
+    those keys are scored with q_alt instead of q. `bias` [N, T, S]: added to the scores
+    (after the soft cap, as a weight on the key)."""
     n, t, num_heads, d = q.shape
     kv_heads = k.shape[2]  # GQA/MQA: query heads come in groups, one per kv head
 
@@ -325,6 +343,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft
         scores = torch.where(keys[:, None, None, None, :], score(q_alt), scores)
     if soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)
+    if bias is not None:
+        scores = scores + bias[:, None, None]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     out = torch.einsum("nkgts,nskd->ntkgd", scores.softmax(dim=-1), v.float())
     return out.reshape(n, t, num_heads, d)

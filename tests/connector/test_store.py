@@ -368,6 +368,8 @@ def test_kv_layout_separates_what_changes_page_bytes(monkeypatch):
     assert layout(tp=2) != default
     assert layout(minipic={"mask_markers": False}) == default
     assert layout(minipic={"mask_markers": True}) != default  # other KV for every span
+    assert layout(minipic={"span_scale": 1}) == default
+    assert layout(minipic={"span_scale": 0.5}) != default  # other KV for links and tasks
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
     assert layout() != default
 

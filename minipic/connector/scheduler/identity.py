@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from minipic.config import mask_markers
+from minipic.config import mask_markers, span_scale
 from minipic.protocol import SpanProtocol
 
 # Keys of an HF config that say nothing about the weights' meaning.
@@ -69,6 +69,10 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any, connector_cls: Any) -> dic
     # as above (stores of earlier versions of the option: True, "hidden, taking no room").
     if mask_markers(vllm_config):
         layout["mask_markers"] = "hidden outside their span, taking no room"
+    # A query outside spans weighting span keys by span_scale changes the KV of every link
+    # and task block after them (not the spans'): only when set, as above.
+    if span_scale(vllm_config) != 1.0:
+        layout["span_scale"] = span_scale(vllm_config)
     return layout
 
 
