@@ -14,9 +14,9 @@ Options (all optional): the span protocol's marker ids `ssep_token_id`,
 tokens), `enabled` (false turns an `additional_config` section off),
 `mask_markers` (true: marker and padding keys are hidden from every query
 outside their own span and take no room in positions; see docs/accuracy.md for
-what it does to answers), `span_scale` (CPU only for now: the share of its
-attention weight a query outside spans gives the keys of SSep spans, which were
-computed alone: APE's scale S, 1 = as computed; docs/accuracy.md), `recipe` (the
+what it does to answers), `span_scale` (CPU only for now: a query outside spans
+weights each key of an SSep span, computed alone, by this factor before the softmax
+normalises: APE's scale S, 1 = as computed; docs/accuracy.md), `recipe` (the
 span prompt the API server builds from a chat request's `documents`: "epic64",
 the default (each document's first 64 tokens recomputed, in whole blocks), "epic2"
 (two blocks), "epic" (one) or "block_attention"; see minipic/serving/chat_documents.py), `span_attention` (CUDA,

@@ -110,12 +110,12 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
         seq_lens = m.seq_lens[: m.num_reqs].tolist()
         block_size = self.kv_cache_spec.block_size
         layout = current_layout(m.num_reqs, block_size, m.max_seq_len)
-        if layout is not None and layout.is_plain():
+        scale = current_span_scale()
+        if layout is not None and layout.is_plain() and not _weighs_spans(layout, scale):
             layout = None
         visible = None if layout is None else [
             visible_keys(layout, i, seq_len, query_start_loc[i + 1] - query_start_loc[i],
                          block_size) for i, seq_len in enumerate(seq_lens)]
-        scale = current_span_scale()
         span_bias = None if layout is None or scale == 1.0 else [
             span_key_bias(layout, i, seq_len, query_start_loc[i + 1] - query_start_loc[i],
                           block_size, scale) for i, seq_len in enumerate(seq_lens)]
@@ -133,6 +133,13 @@ class MiniPICTorchMetadataBuilder(AttentionMetadataBuilder[MiniPICTorchMetadata]
             visible=visible,
             span_bias=span_bias,
         )
+
+
+def _weighs_spans(layout: SpanLayout, scale: float) -> bool:
+    """span_scale applies to the batch: a plain layout ([SSep doc][PDep task], one span at
+    the prompt's start) still has queries outside its span that weigh its keys, so it
+    must not take the plain path, or its answer would depend on its batch-mates."""
+    return scale != 1.0 and bool((layout.span_of >= 0).any())
 
 
 # Requests with at most this many query tokens (decode steps, short prompts after a

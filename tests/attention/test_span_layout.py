@@ -262,3 +262,21 @@ def test_the_layout_covers_the_batchs_sequences_not_max_model_len(monkeypatch):
         monkeypatch.setattr(sl, name, value)  # what register_runner sets, undone after
     found = sl.current_layout(2, 32, max_seq_len=70)
     assert found.span_of.shape == (2, 3) and found.quiet.shape == (2, 96)
+
+
+def test_span_scale_weighs_span_keys_for_queries_outside_spans_only():
+    from minipic.attention.span_layout import span_key_bias
+    from minipic.attention.torch_backend import _weighs_spans
+
+    # [SSep doc][PDep task], block 2: a span at the prompt's start, so the layout is plain
+    # (stock attention gives it its KV), but the task's queries still weigh the span's keys
+    layout = span_layout(torch.tensor([[3, 4]]), P, 2, torch.tensor([4]))
+    assert layout.is_plain()
+    assert _weighs_spans(layout, 0.5) and not _weighs_spans(layout, 1.0)
+    bias = span_key_bias(layout, 0, 4, 4, 2, 0.5)
+    log_half = torch.log(torch.tensor(0.5))
+    assert torch.equal(bias[:2], torch.zeros(2, 4))  # the span's own queries: as computed
+    assert torch.allclose(bias[2:, :2], log_half.expand(2, 2))  # the task on the span's keys
+    assert torch.equal(bias[2:, 2:], torch.zeros(2, 2))  # the task on its own keys
+    plain = span_layout(torch.tensor([[1, 1]]), P, 2, torch.tensor([4]))  # no span at all
+    assert not _weighs_spans(plain, 0.5)
