@@ -109,6 +109,7 @@ def _check_span_scale(vllm_config: Any) -> None:
         raise ValueError(f"{CONFIG_KEY}.span_scale is attended by minipic's CPU backend only "
                          f"so far; leave it at 1 on {current_platform.device_type}")
 
+
 CHECKED_VLLM_VERSIONS = ("0.25.1", "0.32.0")
 
 # The span protocol of the EngineCore built in this process, None when minipic
