@@ -4,8 +4,9 @@ Keys are stored in their frames (span_layout.SpanLayout.frame_offset), so a batc
 whose layout is plain (no span markers, or only a span at the prompt's start) is stock
 vLLM's: its KV cache write and its attention are the stock backend's own, nothing
 added (eager; compiled, see below). Any other batch turns its new keys
-back into their frames before the cache write (attention.links), then attends the
-same paged cache in one of two ways:
+back into their frames before the cache write (attention.links; on the rows path in the
+launch that turns the queries, the write left to forward), then attends the same paged
+cache in one of two ways:
   * on FlashAttention (the default): one causal and one non-causal varlen call, each
     query turned back into the frame of the keys a row reads, merged by log-sum-exp
     (segment_plan.py, segment_attention.py);
@@ -53,8 +54,8 @@ from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAtte
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.segment_attention import (prepare, segment_attention, vllm_flash_rows,
-                                                 with_block_table)
+from minipic.attention.segment_attention import (NewKeys, prepare, segment_attention,
+                                                 vllm_flash_rows, with_block_table)
 from minipic.attention.segment_plan import segment_plan
 from minipic.attention.span_layout import current_layout, key_turn_backs, token_shifts
 from minipic.attention.triton_kernel import (
@@ -175,6 +176,8 @@ class SpanBatchImpl:
         # The layer must not hand us fp8 queries or expect fused output quantisation.
         self.supports_quant_query_input = False
         self._cos_sin: torch.Tensor | None = None
+        # (kv_cache, slot_mapping) of a cache write left to forward (do_kv_cache_update)
+        self._deferred_write: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fused_output_quant_supported(self, quant_key) -> bool:
         return False
@@ -210,7 +213,7 @@ class SpanBatchImpl:
         rope = current_rope()
         if rows is not None:  # link shifts are in the rows' turns
             segment_attention(query[:n], key_cache, value_cache, output[:n], rows,
-                              self.run_flash_rows)
+                              self.run_flash_rows, self._new_keys(layer, key, value, md))
             return output
         query = turn_back_tokens(query, md.minipic_token_shift)
         split_output, split_max, split_expsum = md.minipic_split_kv_scratch
@@ -229,10 +232,31 @@ class SpanBatchImpl:
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """vLLM's cache write, with span and link keys turned into their frames first."""
+        """vLLM's cache write, with span and link keys turned into their frames first.
+
+        A batch attended by FlashAttention rows has its keys turned in forward, in the
+        launch that turns its queries (one launch a layer fewer): the write waits there."""
         md = batch_metadata(layer)
-        key = turn_back_tokens(key, getattr(md, "minipic_key_turn", None))
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        turn = getattr(md, "minipic_key_turn", None)
+        if turn is not None and getattr(md, "minipic_rows", None) is not None:
+            self._deferred_write = (kv_cache, slot_mapping)
+            return
+        super().do_kv_cache_update(layer, turn_back_tokens(key, turn), value, kv_cache,
+                                   slot_mapping)
+
+    def _new_keys(self, layer, key: torch.Tensor, value: torch.Tensor, md) -> NewKeys | None:
+        """The keys of the cache write do_kv_cache_update left to forward, if it did."""
+        if self._deferred_write is None:
+            return None
+        (kv_cache, slot_mapping), self._deferred_write = self._deferred_write, None
+        turn = md.minipic_key_turn
+        n = turn.cos.shape[0]  # the batch's tokens; past them, padding (no cache slot)
+
+        def write(turned: torch.Tensor) -> None:
+            super(SpanBatchImpl, self).do_kv_cache_update(layer, turned, value[:n], kv_cache,
+                                                          slot_mapping[:n])
+
+        return NewKeys(key.view(key.shape[0], -1, self.head_size), turn, write)
 
     def _rope_table(self, device: torch.device) -> torch.Tensor:
         """The model's fp32 cos/sin table on `device`, checked and moved once."""

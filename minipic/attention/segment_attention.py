@@ -24,6 +24,16 @@ Flash = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclasses.dataclass
+class NewKeys:
+    """A batch's new keys to turn into their frames in the same launch as its row queries
+    and hand to `write` (the cache write) before attention reads the cache."""
+
+    key: torch.Tensor  # [tokens, kv_heads, head_size]; its first turn.cos.shape[0] turn
+    turn: Rotation
+    write: Callable[[torch.Tensor], None]  # takes the turned keys
+
+
+@dataclasses.dataclass
 class SegmentBatch:
     """A plan made ready on the device once per batch, for every layer: the rows' physical
     block tables, and one rotation for all turned row queries (the own rows' first when
@@ -69,10 +79,14 @@ def with_block_table(batch: SegmentBatch, block_table: torch.Tensor) -> SegmentB
 
 
 def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      output: torch.Tensor, batch: SegmentBatch, flash: Flash) -> torch.Tensor:
-    """`output` [n, heads, head_size] = attention of the batch's n query tokens `query`."""
+                      output: torch.Tensor, batch: SegmentBatch, flash: Flash,
+                      new_keys: NewKeys | None = None) -> torch.Tensor:
+    """`output` [n, heads, head_size] = attention of the batch's n query tokens `query`;
+    `new_keys`, when given, are turned and written first."""
     plan, n = batch.plan, query.shape[0]
-    turned = None if batch.turn is None else _turned(query, batch)
+    turned, keys = _turned(query, batch, new_keys)
+    if new_keys is not None:
+        new_keys.write(keys)
     own_q = turned[:n] if batch.own_turned else query
     if plan.earlier is None:  # the own rows are the whole answer
         flash(own_q, key_cache, value_cache, plan.own, batch.own_table, causal=True, out=output)
@@ -96,13 +110,24 @@ def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     return merge(output, own_out, own_lse, earlier_out, earlier_lse, plan.earlier.query_index)
 
 
-def _turned(query: torch.Tensor, batch: SegmentBatch) -> torch.Tensor:
-    if query.is_cuda:
-        from minipic.attention.segment_kernels import turn_rows
+def _turned(query: torch.Tensor, batch: SegmentBatch, new_keys: NewKeys | None
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The turned row queries (None when none turn) and the turned new keys (None without
+    them): one launch on CUDA."""
+    keys = None if new_keys is None else new_keys.key[: new_keys.turn.cos.shape[0]]
+    if not query.is_cuda:
+        turned = None if batch.turn is None else batch.turn.apply(
+            query.index_select(0, batch.turn_index)).to(query.dtype)
+        return turned, None if keys is None else new_keys.turn.apply(keys).to(keys.dtype)
+    from minipic.attention.segment_kernels import turn_rows, turn_rows_and_keys
 
-        return turn_rows(query, batch.turn_index, batch.turn.cos, batch.turn.sin,
-                         batch.rotary_dim, batch.is_neox_style)
-    return batch.turn.apply(query.index_select(0, batch.turn_index)).to(query.dtype)
+    if batch.turn is None:
+        return None, None if keys is None else turn_rows(
+            keys, None, new_keys.turn.cos, new_keys.turn.sin, batch.rotary_dim,
+            batch.is_neox_style)
+    key_turn = () if keys is None else (keys, new_keys.turn.cos, new_keys.turn.sin)
+    return turn_rows_and_keys(query, batch.turn_index, batch.turn.cos, batch.turn.sin,
+                              batch.rotary_dim, batch.is_neox_style, *key_turn)
 
 
 def merge(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,

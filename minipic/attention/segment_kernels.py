@@ -4,7 +4,8 @@ Per layer a span batch on FlashAttention runs four launches: `turn_rows` (every 
 queries gathered and turned back into the frame they read, one launch for both
 calls), the causal and the non-causal FlashAttention call (one call for a decode
 batch), and `merge_rows` (each query token's rows merged by their log-sum-exp). The
-same turn kernel turns new keys into their frames before the cache write. In torch
+same launch turns the batch's new keys into their frames for the cache write
+(`turn_rows_and_keys`: launches, not memory, set these kernels' time). In torch
 the turns and the merge take some thirty small launches a layer, which cost more
 than the attention itself on a short task after a hit.
 """
@@ -17,24 +18,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
-                      q_stride_t, q_stride_h, out_stride_t, out_stride_h, turn_stride,
-                      HEADS: tl.constexpr, HEADS_PADDED: tl.constexpr,
-                      HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
-                      HALF_PADDED: tl.constexpr, PASS_PADDED: tl.constexpr,
-                      IS_NEOX: tl.constexpr, HAS_INDEX: tl.constexpr):
-    # One program per row, all heads at once: a program per (row, head) moved 256 bytes
-    # and its launch grid, not the memory, set the kernel's time.
-    # int64 offsets: rows x row stride passes 2^31 elements on long batches
-    row = tl.program_id(0).to(tl.int64)
-    if HAS_INDEX:
-        token = tl.load(index_ptr + row).to(tl.int64)
-    else:  # row i turns token i
-        token = row
+def _turn_one_row(src, dst, cos_row, sin_row, q_stride_h, out_stride_h,
+                  HEADS: tl.constexpr, HEADS_PADDED: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                  ROT_HALF: tl.constexpr, HALF_PADDED: tl.constexpr,
+                  PASS_PADDED: tl.constexpr, IS_NEOX: tl.constexpr):
+    """All heads of one token, `src` to `dst`, turned by one row of cos and sin."""
     head = tl.arange(0, HEADS_PADDED)[:, None]
     head_mask = head < HEADS
-    src = q_ptr + token * q_stride_t + head * q_stride_h
-    dst = out_ptr + row * out_stride_t + head * out_stride_h
+    src = src + head * q_stride_h
+    dst = dst + head * out_stride_h
     r = tl.arange(0, HALF_PADDED)[None, :]
     r_mask = r < ROT_HALF
     if IS_NEOX:  # the two halves of the rotary dims are the (real, imag) pairs
@@ -44,13 +36,49 @@ def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
     mask = head_mask & r_mask
     x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + row * turn_stride + r, mask=r_mask, other=1.0)
-    sin = tl.load(sin_ptr + row * turn_stride + r, mask=r_mask, other=0.0)
-    tl.store(dst + first, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + second, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    cos = tl.load(cos_row + r, mask=r_mask, other=1.0)
+    sin = tl.load(sin_row + r, mask=r_mask, other=0.0)
+    tl.store(dst + first, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + second, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
     p = 2 * ROT_HALF + tl.arange(0, PASS_PADDED)[None, :]  # dims past rotary_dim pass
     p_mask = head_mask & (p < HEAD_SIZE)
     tl.store(dst + p, tl.load(src + p, mask=p_mask, other=0.0), mask=p_mask)
+
+
+@triton.jit
+def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
+                      q_stride_t, q_stride_h, out_stride_t, out_stride_h, turn_stride,
+                      k_ptr, k_cos_ptr, k_sin_ptr, k_out_ptr, k_stride_t, k_stride_h,
+                      k_out_stride_t, k_out_stride_h, k_turn_stride, num_q_rows,
+                      HEADS: tl.constexpr, HEADS_PADDED: tl.constexpr,
+                      K_HEADS: tl.constexpr, K_HEADS_PADDED: tl.constexpr,
+                      HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
+                      HALF_PADDED: tl.constexpr, PASS_PADDED: tl.constexpr,
+                      IS_NEOX: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_KEYS: tl.constexpr):
+    # One program per row, all heads at once: a program per (row, head) moved 256 bytes
+    # and its launch grid, not the memory, set the kernel's time. With HAS_KEYS the
+    # programs past num_q_rows turn new keys (token i by its own row), so a layer turns
+    # its queries and its keys in one launch.
+    # int64 offsets: rows x row stride passes 2^31 elements on long batches
+    row = tl.program_id(0).to(tl.int64)
+    is_key = False
+    if HAS_KEYS:  # resolved at compile time: without keys, only the query branch is built
+        is_key = row >= num_q_rows
+    if is_key:
+        key = row - num_q_rows
+        _turn_one_row(k_ptr + key * k_stride_t, k_out_ptr + key * k_out_stride_t,
+                      k_cos_ptr + key * k_turn_stride, k_sin_ptr + key * k_turn_stride,
+                      k_stride_h, k_out_stride_h, K_HEADS, K_HEADS_PADDED, HEAD_SIZE,
+                      ROT_HALF, HALF_PADDED, PASS_PADDED, IS_NEOX)
+    else:
+        if HAS_INDEX:
+            token = tl.load(index_ptr + row).to(tl.int64)
+        else:  # row i turns token i
+            token = row
+        _turn_one_row(q_ptr + token * q_stride_t, out_ptr + row * out_stride_t,
+                      cos_ptr + row * turn_stride, sin_ptr + row * turn_stride,
+                      q_stride_h, out_stride_h, HEADS, HEADS_PADDED, HEAD_SIZE,
+                      ROT_HALF, HALF_PADDED, PASS_PADDED, IS_NEOX)
 
 
 def turn_rows(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor,
@@ -58,22 +86,44 @@ def turn_rows(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor
     """[rows, heads, head_size]: query[index[i]] turned by (cos[i], sin[i]) (a
     rotation.Rotation's tables), in the query's dtype; index None: query[i], for the
     first cos.shape[0] tokens (the K turn before the cache write)."""
+    return turn_rows_and_keys(query, index, cos, sin, rotary_dim, is_neox_style)[0]
+
+
+def turn_rows_and_keys(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor, rotary_dim: int, is_neox_style: bool,
+                       key: torch.Tensor | None = None, key_cos: torch.Tensor | None = None,
+                       key_sin: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """turn_rows' rows and, in the same launch, `key`'s first key_cos.shape[0] tokens
+    [tokens, kv_heads, head_size] turned by (key_cos[i], key_sin[i]) (None without `key`)."""
     rows, (_, heads, head_size) = cos.shape[0], query.shape
     assert query.stride(-1) == 1, "the kernel reads each head's dims as one run"
     out = torch.empty(rows, heads, head_size, dtype=query.dtype, device=query.device)
-    if rows == 0:
-        return out
+    has_keys = key is not None
+    keys = key_cos.shape[0] if has_keys else 0
+    key_out = torch.empty(keys, *key.shape[1:], dtype=key.dtype, device=key.device) \
+        if has_keys else None
+    if rows + keys == 0:
+        return out, key_out
     half = rotary_dim // 2
     cos, sin = cos.contiguous(), sin.contiguous()
+    if has_keys:
+        assert key.stride(-1) == 1
+        key_cos, key_sin, key_out_arg = key_cos.contiguous(), key_sin.contiguous(), key_out
+    else:  # the kernel never reads the key pointers: the query's stand in for them
+        key, key_cos, key_sin, key_out_arg = query, cos, sin, out
     # Without an index the kernel never reads index_ptr: any pointer stands in for it.
-    _turn_rows_kernel[(rows,)](
+    _turn_rows_kernel[(rows + keys,)](
         query, cos if index is None else index, cos, sin, out, query.stride(0),
-        query.stride(1), out.stride(0), out.stride(1), cos.stride(0), HEADS=heads,
-        HEADS_PADDED=triton.next_power_of_2(heads), HEAD_SIZE=head_size,
+        query.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+        key, key_cos, key_sin, key_out_arg, key.stride(0), key.stride(1),
+        key_out_arg.stride(0), key_out_arg.stride(1), key_cos.stride(0), rows,
+        HEADS=heads, HEADS_PADDED=triton.next_power_of_2(heads), K_HEADS=key.shape[1],
+        K_HEADS_PADDED=triton.next_power_of_2(key.shape[1]), HEAD_SIZE=head_size,
         ROT_HALF=half, HALF_PADDED=triton.next_power_of_2(half),
         PASS_PADDED=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
-        IS_NEOX=is_neox_style, HAS_INDEX=index is not None)
-    return out
+        IS_NEOX=is_neox_style, HAS_INDEX=index is not None, HAS_KEYS=keys > 0)
+    return out, key_out
 
 
 @triton.jit

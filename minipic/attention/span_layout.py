@@ -51,6 +51,8 @@ _span_scale = 1.0  # the weight outside queries give span keys (minipic option s
 _mrv2_idx_mapping: torch.Tensor | None = None  # rows of the batch being run (MRV2)
 _mrv2_idx_mapping_np = None  # the same rows on the host (numpy)
 _last_host_layout: tuple | None = None  # (what it was built from, SpanLayout): _host_layout
+# A host layout's width in blocks is a multiple of this (_host_layout).
+HOST_LAYOUT_BLOCK_STEP = 32
 
 
 class OneEnginePerProcessError(RuntimeError):
@@ -317,13 +319,16 @@ def _host_layout(num_reqs: int, block_size: int, width: int | None) -> SpanLayou
     if prompts is None or _mrv2_idx_mapping_np is None or width is None:
         return None
     rows = _mrv2_idx_mapping_np[:num_reqs]
-    key = (prompts, prompts.generation, rows.tobytes(), block_size, width)
+    # Decoding sequences cross a block every block_size steps: a layout some blocks wider
+    # than the batch needs serves the steps after it too (the plan steps on over it).
+    blocks = -(-width // (block_size * HOST_LAYOUT_BLOCK_STEP)) * HOST_LAYOUT_BLOCK_STEP
+    key = (prompts, prompts.generation, rows.tobytes(), block_size, blocks)
     if _last_host_layout is not None and _last_host_layout[0] == key:
         return _last_host_layout[1]
     if not prompts.holds(rows):
         return None  # not a batch of running requests (a dummy run): the runner's table
     # one request shares with no one: its spans' ids are not worth their hashing
-    firsts, span_ids, prompt_lens = prompts.blocks(rows, block_size, width // block_size,
+    firsts, span_ids, prompt_lens = prompts.blocks(rows, block_size, blocks,
                                                    span_ids=num_reqs > 1)
     layout = span_layout(torch.from_numpy(firsts), _protocol, block_size,
                          torch.from_numpy(prompt_lens))

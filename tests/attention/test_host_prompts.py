@@ -58,27 +58,34 @@ def mrv2_runner(monkeypatch, prompts: dict, rows: np.ndarray) -> Runner:
 
 
 def test_a_decode_step_over_the_same_requests_reuses_the_layout(monkeypatch):
-    """The same rows, prompts and width: the last step's layout object (and the plan's
-    tables of it); a new prompt in a row, another batch or a wider batch: a new layout."""
+    """The same rows and prompts, a width within the same HOST_LAYOUT_BLOCK_STEP blocks:
+    the last step's layout object (and the plan's tables of it), also when a decode step
+    crosses into a new block; a new prompt in a row, another batch or a batch past those
+    blocks: a new layout."""
     rng = random.Random(6)
     rows = np.array([1, 0])
     prompts = {row: span_prompt(rng, 6) for row in rows.tolist()}
     runner = mrv2_runner(monkeypatch, prompts, rows)
+    step = sl.HOST_LAYOUT_BLOCK_STEP
     first = sl.current_layout(2, BLOCK, max_seq_len=7 * BLOCK)
-    assert sl.current_layout(2, BLOCK, max_seq_len=7 * BLOCK - 3) is first  # same width
+    assert first.span_of.shape[1] == step
+    assert sl.current_layout(2, BLOCK, max_seq_len=7 * BLOCK - 3) is first  # same block
+    assert sl.current_layout(2, BLOCK, max_seq_len=7 * BLOCK + 1) is first  # the next one
     assert first.to("cpu") is first
-    wider = sl.current_layout(2, BLOCK, max_seq_len=8 * BLOCK)
-    assert wider is not first and wider.span_of.shape[1] == 8
+    longest = (step + 1) * BLOCK
+    wider = sl.current_layout(2, BLOCK, max_seq_len=longest)
+    assert wider is not first and wider.span_of.shape[1] == 2 * step
+    assert torch.equal(wider.span_of[:, :step], first.span_of)
     monkeypatch.setattr(sl, "_mrv2_idx_mapping_np", rows[::-1].copy())
-    swapped = sl.current_layout(2, BLOCK, max_seq_len=8 * BLOCK)
+    swapped = sl.current_layout(2, BLOCK, max_seq_len=longest)
     assert swapped is not wider and torch.equal(swapped.span_of, wider.span_of.flip(0))
     runner.minipic_host_prompts.add(0, [4] + words(rng, 90))  # row 0 runs another request
-    replaced = sl.current_layout(2, BLOCK, max_seq_len=8 * BLOCK)
+    replaced = sl.current_layout(2, BLOCK, max_seq_len=longest)
     assert replaced is not swapped and (replaced.span_of[0] < 0).all()
     # Row 1 finished; a dummy batch still names it: no host layout (the runner's own
     # table speaks for such batches; this stand-in has no device rows), and no crash.
     runner.minipic_host_prompts.remove(1)
-    assert sl.current_layout(2, BLOCK, max_seq_len=8 * BLOCK) is None
+    assert sl.current_layout(2, BLOCK, max_seq_len=longest) is None
 
 
 def test_mrv2_layout_from_host_prompts_matches_the_token_table(monkeypatch):
@@ -99,7 +106,10 @@ def test_mrv2_layout_from_host_prompts_matches_the_token_table(monkeypatch):
     runner = mrv2_runner(monkeypatch, prompts, rows)
     got = sl.current_layout(len(rows), BLOCK, max_seq_len=width)
     assert got.span_of.device.type == "cpu"
-    for field in ("span_of", "context_pos", "shift", "frame_offset", "links_end", "link_tokens"):
+    blocks = want.span_of.shape[1]  # the host layout may be wider (HOST_LAYOUT_BLOCK_STEP)
+    for field in ("span_of", "context_pos", "shift", "frame_offset"):
+        assert torch.equal(getattr(got, field)[:, :blocks], getattr(want, field)), field
+    for field in ("links_end", "link_tokens"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     # ids for span blocks only: all of them but a prompt's partial last block
     full = torch.arange(got.span_of.shape[1]) < torch.tensor(

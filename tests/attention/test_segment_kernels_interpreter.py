@@ -35,7 +35,7 @@ def _errors(name: str) -> dict[str, float]:
     from minipic.attention.rotation import Rotation
     from minipic.attention.segment_attention import (merge, paged_flash_reference, prepare,
                                                      segment_attention)
-    from minipic.attention.segment_kernels import merge_rows, turn_rows
+    from minipic.attention.segment_kernels import merge_rows, turn_rows, turn_rows_and_keys
     from minipic.attention.segment_plan import segment_plan
     from minipic.devtools.paged_attention_case import (epic_markers, make_case,
                                                        reference_attention, relative_error)
@@ -55,6 +55,11 @@ def _errors(name: str) -> dict[str, float]:
                          case.is_neox)
     keys_by_kernel = turn_rows(q, None, keys.cos, keys.sin, case.rotary_dim, case.is_neox)
     keys_by_torch = keys.apply(q[: q.shape[0] - 3]).to(q.dtype)
+    # Both in one launch, the keys with their own head count (the cache's).
+    k = case.k_cache.flatten(0, 1)[: q.shape[0]]
+    both_q, both_k = turn_rows_and_keys(q, batch.turn_index, batch.turn.cos, batch.turn.sin,
+                                        case.rotary_dim, case.is_neox, k, keys.cos, keys.sin)
+    k_by_torch = keys.apply(k[: q.shape[0] - 3]).to(q.dtype)
 
     flash = functools.partial(paged_flash_reference, scale=case.scale)
     n = q.shape[0]
@@ -72,6 +77,8 @@ def _errors(name: str) -> dict[str, float]:
     segment_attention(q, case.k_cache, case.v_cache, whole, batch, flash)
     return {"turn": relative_error(by_kernel, by_torch),
             "turn_keys": relative_error(keys_by_kernel, keys_by_torch),
+            "turn_both_queries": relative_error(both_q, by_torch),
+            "turn_both_keys": relative_error(both_k, k_by_torch),
             "merge": relative_error(merged_kernel, merged_torch),
             "merge_vs_reference": relative_error(merged_kernel, reference_attention(case)),
             "torch_path_vs_reference": relative_error(whole, reference_attention(case))}
@@ -90,8 +97,8 @@ def interpreter_errors() -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("check", ["turn", "turn_keys", "merge", "merge_vs_reference",
-                                   "torch_path_vs_reference"])
+@pytest.mark.parametrize("check", ["turn", "turn_keys", "turn_both_queries", "turn_both_keys",
+                                   "merge", "merge_vs_reference", "torch_path_vs_reference"])
 def test_kernels_match_torch(interpreter_errors, name, check):
     err = interpreter_errors[name]
     assert isinstance(err, dict), err  # the child reports an exception as text

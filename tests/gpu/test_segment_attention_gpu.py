@@ -109,6 +109,42 @@ def test_key_turn_before_the_cache_write_matches_torch(dtype):
     assert relative_error(ours, expected) < TOLERANCE[dtype] / 10
 
 
+@pytest.mark.parametrize("name", ["epic_hit_and_decode", "spans_decode"])
+def test_new_keys_turned_with_the_queries_reach_the_cache_first(name):
+    """A rows batch's cache write left to segment_attention (NewKeys, what the backend does):
+    the model's keys turned in the queries' launch (segment_kernels.turn_rows_and_keys),
+    written before FA3 reads them; NaN in their slots otherwise reaches the output."""
+    from minipic.attention.rotation import Rotation
+    from minipic.attention.segment_attention import NewKeys
+
+    case = build(name, torch.bfloat16)
+    qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
+    position = torch.cat([torch.arange(s - (qsl[r + 1] - qsl[r]), s)
+                          for r, s in enumerate(seq_lens)]).cuda()
+    request = torch.repeat_interleave(torch.arange(len(seq_lens), device="cuda"),
+                                      case.cu_seqlens_q.diff())
+    slots = case.block_table[request, position // 16].long() * 16 + position % 16
+    turn = torch.randint(0, 500, (position.numel(),), device="cuda")
+    flat_k = case.k_cache.flatten(0, 1)
+    model_k = Rotation.at(turn, case.cos_sin, case.rotary_dim, case.is_neox,
+                          pure=True).apply(flat_k[slots]).to(flat_k.dtype)
+    expected = run_rows(case)  # the cache as it is
+    flat_k[slots] = float("nan")
+
+    def write(turned):
+        flat_k[slots] = turned
+
+    plan = segment_plan(case.layout.to("cpu"), qsl, seq_lens, case.block_size)
+    batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    out = torch.full_like(case.q, float("nan"))
+    back = Rotation.back(turn, case.cos_sin, case.rotary_dim, case.is_neox)
+    segment_attention(case.q, case.k_cache, case.v_cache, out, batch,
+                      functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3),
+                      NewKeys(model_k, back, write))
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+    assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("query_lens", [(1, 1, 1), (20, 1, 20)], ids=["decode", "prefill"])
 def test_requests_sharing_documents_on_fa3(query_lens):
     """Rows shared by requests holding the same documents (segment_plan._shared), on FA3:
