@@ -55,6 +55,10 @@ def model_problems(vllm_config: Any) -> list[str]:
         "compilation splitting_ops without vllm::unified_kv_cache_update: a CUDA graph "
         "piece would replay the KV cache update with the turn of span and link keys into "
         "their frames of the batch it was captured with": _kv_update_captured(vllm_config),
+        "VLLM_USE_BREAKABLE_CUDAGRAPH=1: its CUDA graph segments break at attention, not at "
+        "the KV cache update, so they would replay the cache write of the batch they were "
+        "captured with (span and link keys not turned into their frames); unset it":
+        _breakable_graphs_hold_kv_update(vllm_config),
     }
     problems = [reason for reason, present in checks.items() if present]
     problems += _connector_problems(vllm_config)
@@ -76,6 +80,17 @@ def _kv_update_captured(vllm_config: Any) -> bool:
     contains = getattr(cc, "splitting_ops_contain_kv_cache_update", None)
     return (current_platform.is_cuda() and cc.mode == CompilationMode.VLLM_COMPILE
             and contains is not None and not contains())
+
+
+def _breakable_graphs_hold_kv_update(vllm_config: Any) -> bool:
+    """Whether vLLM's breakable CUDA graphs (no torch.compile splitting) would capture it."""
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    breakable = bool(getattr(envs, "VLLM_USE_BREAKABLE_CUDAGRAPH", False))
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return (current_platform.is_cuda() and breakable and mode is not None
+            and mode.has_piecewise_cudagraphs())
 
 
 def _connector_problems(vllm_config: Any) -> list[str]:

@@ -216,6 +216,30 @@ def test_splitting_ops_that_capture_the_kv_cache_write_are_refused_on_cuda(monke
                          "vllm::unified_mla_kv_cache_update"])
 
 
+def test_breakable_cuda_graphs_are_refused_on_cuda(monkeypatch):
+    """vLLM's breakable CUDA graphs break at attention only: their segments would replay
+    the KV cache write of the batch they were captured with. Refused with graphs on CUDA;
+    eager, or on CPU, nothing is captured."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    from minipic import support
+
+    def refused(mode):
+        config = SimpleNamespace(compilation_config=CompilationConfig(cudagraph_mode=mode))
+        return support._breakable_graphs_hold_kv_update(config)
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    assert not refused(CUDAGraphMode.PIECEWISE)  # this machine: CPU
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    assert refused(CUDAGraphMode.PIECEWISE) and refused(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert not refused(CUDAGraphMode.NONE)  # eager
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    assert not refused(CUDAGraphMode.PIECEWISE)
+
+
 def test_span_scale_is_refused_where_no_backend_attends_it(monkeypatch):
     """Only the CPU backend weights span keys so far: on a GPU the option would silently
     be 1, so it is refused at start-up there (and accepted at 1)."""

@@ -236,6 +236,7 @@ class SpanBatchImpl:
 
         A batch attended by FlashAttention rows has its keys turned in forward, in the
         launch that turns its queries (one launch a layer fewer): the write waits there."""
+        self._deferred_write = None  # one a failed forward left is never done later
         md = batch_metadata(layer)
         turn = getattr(md, "minipic_key_turn", None)
         if turn is not None and getattr(md, "minipic_rows", None) is not None:

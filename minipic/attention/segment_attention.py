@@ -122,9 +122,10 @@ def _turned(query: torch.Tensor, batch: SegmentBatch, new_keys: NewKeys | None
     from minipic.attention.segment_kernels import turn_rows, turn_rows_and_keys
 
     if batch.turn is None:
-        return None, None if keys is None else turn_rows(
-            keys, None, new_keys.turn.cos, new_keys.turn.sin, batch.rotary_dim,
-            batch.is_neox_style)
+        turned_keys = None if keys is None else turn_rows(
+            keys, None, new_keys.turn.cos, new_keys.turn.sin, new_keys.turn.rotary_dim,
+            new_keys.turn.is_neox_style)
+        return None, turned_keys
     key_turn = () if keys is None else (keys, new_keys.turn.cos, new_keys.turn.sin)
     return turn_rows_and_keys(query, batch.turn_index, batch.turn.cos, batch.turn.sin,
                               batch.rotary_dim, batch.is_neox_style, *key_turn)

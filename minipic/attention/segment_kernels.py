@@ -62,7 +62,7 @@ def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
     # int64 offsets: rows x row stride passes 2^31 elements on long batches
     row = tl.program_id(0).to(tl.int64)
     is_key = False
-    if HAS_KEYS:  # resolved at compile time: without keys, only the query branch is built
+    if HAS_KEYS:  # without keys is_key stays a constant and the compiler drops its branch
         is_key = row >= num_q_rows
     if is_key:
         key = row - num_q_rows

@@ -311,8 +311,9 @@ def _host_layout(num_reqs: int, block_size: int, width: int | None) -> SpanLayou
     """MRV2: the batch's layout from the runner's host copy of its prompts
     (attention.host_prompts); None on the V1 runner (its table is on the host already) and
     before the first real batch. The layout depends on the prompts and the batch's width
-    only, so a decode step whose batch holds the same requests as the last step's reuses
-    that layout (and the plan's tables of it): it is not changed after it is built."""
+    (rounded up to HOST_LAYOUT_BLOCK_STEP blocks) only, so a decode step whose batch holds
+    the same requests as the last step's reuses that layout (and the plan's tables of it):
+    it is not changed after it is built."""
     global _last_host_layout
     runner = _runner()
     prompts = getattr(runner, "minipic_host_prompts", None)
