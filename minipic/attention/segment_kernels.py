@@ -18,15 +18,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _turn_one_row(src, dst, cos_row, sin_row, q_stride_h, out_stride_h,
+def _turn_one_row(src, dst, cos_row, sin_row, src_stride_h, dst_stride_h,
                   HEADS: tl.constexpr, HEADS_PADDED: tl.constexpr, HEAD_SIZE: tl.constexpr,
                   ROT_HALF: tl.constexpr, HALF_PADDED: tl.constexpr,
                   PASS_PADDED: tl.constexpr, IS_NEOX: tl.constexpr):
     """All heads of one token, `src` to `dst`, turned by one row of cos and sin."""
     head = tl.arange(0, HEADS_PADDED)[:, None]
     head_mask = head < HEADS
-    src = src + head * q_stride_h
-    dst = dst + head * out_stride_h
+    src = src + head * src_stride_h
+    dst = dst + head * dst_stride_h
     r = tl.arange(0, HALF_PADDED)[None, :]
     r_mask = r < ROT_HALF
     if IS_NEOX:  # the two halves of the rotary dims are the (real, imag) pairs
