@@ -55,6 +55,17 @@ class PagedCase:
     def block_size(self) -> int:
         return self.k_cache.shape[1]
 
+    def query_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) in the cache of each query token, in batch order: where the
+        batch's new keys are written."""
+        device = self.block_table.device
+        position = torch.cat([torch.arange(c, c + q, device=device)
+                              for q, c in zip(self.query_lens, self.context_lens)])
+        request = torch.repeat_interleave(torch.arange(len(self.query_lens), device=device),
+                                          torch.tensor(self.query_lens, device=device))
+        block = self.block_table[request, position // self.block_size].long()
+        return block, position % self.block_size
+
     def key_positions(self) -> torch.Tensor:
         """Logical position of every cache slot (-1 where no request owns it)."""
         blocks, bs = self.k_cache.shape[:2]

@@ -68,24 +68,21 @@ def epic_batch():
     kv_cache = torch.stack((case.k_cache, case.v_cache), dim=1)
     case.k_cache, case.v_cache = kv_cache.unbind(1)
     qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
-    position = torch.cat([torch.arange(s - (qsl[r + 1] - qsl[r]), s)
-                          for r, s in enumerate(seq_lens)])
-    request = torch.repeat_interleave(torch.arange(len(seq_lens)), case.cu_seqlens_q.diff())
-    slots = case.block_table[request, position // 16].long() * 16 + position % 16
+    block, offset = case.query_slots()
     turn = key_turn_backs(case.layout, qsl, seq_lens, 16)
-    frames_k = case.k_cache[slots // 16, slots % 16].clone()
+    frames_k = case.k_cache[block, offset].clone()
     model_k = Rotation.at(turn, case.cos_sin, case.rotary_dim, case.is_neox,
                           pure=True).apply(frames_k)
     shifts = token_shifts(case.layout, qsl, seq_lens, 16)
     model_q = Rotation.at(shifts, case.cos_sin, case.rotary_dim, case.is_neox,
                           pure=True).apply(case.q)
-    case.k_cache[slots // 16, slots % 16] = float("nan")  # read before the write: NaN out
-    n = slots.numel()
-    pad = torch.full((PADDING,), -1, dtype=torch.long)
+    case.k_cache[block, offset] = float("nan")  # read before the write: NaN out
+    n = block.numel()
+    pad = torch.full((PADDING,), -1, dtype=torch.long)  # vLLM's slot of a padding token
     return SimpleNamespace(
-        case=case, slots=torch.cat([slots, pad]), frames_k=frames_k, n=n,
+        case=case, slots=torch.cat([block * 16 + offset, pad]), frames_k=frames_k, n=n,
         key=torch.cat([model_k, torch.randn(PADDING, *model_k.shape[1:])]),
-        value=torch.cat([case.v_cache[slots // 16, slots % 16], torch.randn(PADDING, 2, 32)]),
+        value=torch.cat([case.v_cache[block, offset], torch.randn(PADDING, 2, 32)]),
         query=model_q, kv_cache=kv_cache,
         key_turn=token_turns(turn, torch.device("cpu")))
 

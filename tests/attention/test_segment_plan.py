@@ -258,17 +258,16 @@ def test_new_keys_are_turned_and_written_before_the_rows_read_them():
     qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
     turn = key_turn_backs(case.layout, qsl, seq_lens, 16)
     assert turn is not None and turn.any()
-    slots = torch.cat([_slots(case, row, seq_len - (qsl[row + 1] - qsl[row]), seq_len)
-                       for row, seq_len in enumerate(seq_lens)])
-    stored = case.k_cache.flatten(0, 1)[slots]  # in their frames
+    slots = case.query_slots()
+    stored = case.k_cache[slots]  # in their frames
     model_k = Rotation.at(turn, case.cos_sin, case.rotary_dim, case.is_neox,
                           pure=True).apply(stored).to(stored.dtype)
-    case.k_cache.flatten(0, 1)[slots] = float("nan")  # read before the write: NaN out
+    case.k_cache[slots] = float("nan")  # read before the write: NaN out
     written = []
 
     def write(turned):
         written.append(turned.shape[0])
-        case.k_cache.flatten(0, 1)[slots] = turned
+        case.k_cache[slots] = turned
 
     plan = segment_plan(case.layout, qsl, seq_lens, 16)
     out = torch.empty_like(case.q)
@@ -279,9 +278,3 @@ def test_new_keys_are_turned_and_written_before_the_rows_read_them():
     assert written == [case.q.shape[0]]
     assert relative_error(out, reference_attention(case)) < 1e-5
 
-
-def _slots(case, row: int, first: int, last: int) -> torch.Tensor:
-    """Flat cache slots of request `row`'s tokens first..last-1."""
-    position = torch.arange(first, last)
-    return case.block_table[row, position // case.block_size].long() * case.block_size \
-        + position % case.block_size

@@ -119,20 +119,15 @@ def test_new_keys_turned_with_the_queries_reach_the_cache_first(name):
 
     case = build(name, torch.bfloat16)
     qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
-    position = torch.cat([torch.arange(s - (qsl[r + 1] - qsl[r]), s)
-                          for r, s in enumerate(seq_lens)]).cuda()
-    request = torch.repeat_interleave(torch.arange(len(seq_lens), device="cuda"),
-                                      case.cu_seqlens_q.diff())
-    slots = case.block_table[request, position // 16].long() * 16 + position % 16
-    turn = torch.randint(0, 500, (position.numel(),), device="cuda")
-    flat_k = case.k_cache.flatten(0, 1)
+    slots = case.query_slots()
+    turn = torch.randint(0, 500, (case.q.shape[0],), device="cuda")
     model_k = Rotation.at(turn, case.cos_sin, case.rotary_dim, case.is_neox,
-                          pure=True).apply(flat_k[slots]).to(flat_k.dtype)
+                          pure=True).apply(case.k_cache[slots]).to(case.k_cache.dtype)
     expected = run_rows(case)  # the cache as it is
-    flat_k[slots] = float("nan")
+    case.k_cache[slots] = float("nan")
 
     def write(turned):
-        flat_k[slots] = turned
+        case.k_cache[slots] = turned
 
     plan = segment_plan(case.layout.to("cpu"), qsl, seq_lens, case.block_size)
     batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
