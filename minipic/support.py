@@ -55,9 +55,11 @@ def model_problems(vllm_config: Any) -> list[str]:
         "compilation splitting_ops without vllm::unified_kv_cache_update: a CUDA graph "
         "piece would replay the KV cache update with the turn of span and link keys into "
         "their frames of the batch it was captured with": _kv_update_captured(vllm_config),
-        "VLLM_USE_BREAKABLE_CUDAGRAPH=1: its CUDA graph segments break at attention, not at "
-        "the KV cache update, so they would replay the cache write of the batch they were "
-        "captured with (span and link keys not turned into their frames); unset it":
+        "breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH, which vLLM also turns on by "
+        "itself for some models): their segments break at attention, not at the KV cache "
+        "update, so they would replay the cache write of the batch they were captured with "
+        "(span and link keys not turned into their frames); set "
+        "VLLM_USE_BREAKABLE_CUDAGRAPH=0 or use enforce_eager":
         _breakable_graphs_hold_kv_update(vllm_config),
     }
     problems = [reason for reason, present in checks.items() if present]
