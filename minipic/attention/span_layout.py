@@ -33,6 +33,7 @@ import math
 import weakref
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from minipic.attention.host_copy import to_device
@@ -185,9 +186,17 @@ class SpanLayout:
         a prompt's start (a span prefilled alone), and no quiet key where a query outside
         spans could see it. A query in such a span sees every key before it, its marker
         included, and its frame is the prompt's: stock attention gives it exactly its
-        span's KV."""
-        return not bool(self.frame_offset.any()) and not self.has_links() \
-            and not self._quiet_outside_spans()
+        span's KV.
+
+        Asked once per layout object (a decode step reuses the last step's layout, and a
+        reduction over the whole table costs the step's host time): a layout is complete
+        when current_layout returns it and is not changed after."""
+        plain = self.derived.get("is_plain")
+        if plain is None:
+            plain = self.derived["is_plain"] = (
+                not bool(self.frame_offset.any()) and not self.has_links()
+                and not self._quiet_outside_spans())
+        return plain
 
     def _quiet_outside_spans(self) -> bool:
         """Some request has quiet keys and a block outside spans (mask_markers)."""
@@ -392,7 +401,16 @@ def per_query_token(table: torch.Tensor, query_start_loc: list[int], seq_lens: l
     """Per query token of the batch, its block's entry of a [reqs, blocks] table.
 
     A request's query tokens are the last ones of its sequence. One gather for the
-    whole batch: a step may hold a thousand requests."""
+    whole batch: a step may hold a thousand requests. A host table is gathered in numpy
+    (single-threaded: torch's small host ops each wake its thread pool, and the
+    builder runs them every step)."""
+    if table.device.type == "cpu":
+        starts = np.asarray(query_start_loc[: len(seq_lens) + 1])
+        num_queries = np.diff(starts)
+        request = np.repeat(np.arange(len(seq_lens)), num_queries)
+        position = (np.asarray(seq_lens) - num_queries)[request] \
+            + np.arange(request.size) - starts[:-1][request]
+        return torch.from_numpy(table.numpy()[request, position // block_size])
     device = table.device
     starts = torch.tensor(query_start_loc[: len(seq_lens) + 1], device=device)
     num_queries = starts[1:] - starts[:-1]
@@ -426,7 +444,9 @@ def key_turn_backs(layout: SpanLayout, query_start_loc: list[int], seq_lens: lis
         return _per_token_turn(turn, query_start_loc, seq_lens)
     # The batch's own tokens decide, not the table: a task after cached spans has spans
     # turned in the table but nothing to turn itself (every layer would rotate by 0).
-    turn = layout.frame_offset + layout.shift
+    turn = layout.derived.get("key_turn")
+    if turn is None:  # once per layout object, as is_plain
+        turn = layout.derived["key_turn"] = layout.frame_offset + layout.shift
     return _nonzero(per_query_token(turn, query_start_loc, seq_lens, block_size))
 
 
