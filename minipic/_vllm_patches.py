@@ -353,6 +353,56 @@ def _patch_model_runner_v2() -> None:
     _wrap(model_runner.GPUModelRunner, "prepare_inputs", make_prepare_inputs)
     _wrap(model_runner.GPUModelRunner, "add_requests", make_add_requests)
     _wrap(model_runner.GPUModelRunner, "_remove_request", make_remove_request)
+    _patch_full_decode_graphs(model_runner)
+
+
+# (runner, scheduler output, dummy run) of the MRV2 step being executed, for the dispatch
+# check; None outside execute_model or when minipic is off.
+_executing: tuple | None = None
+
+
+def _patch_full_decode_graphs(model_runner) -> None:
+    """MRV2 full decode graphs (attention.decode_graph): note which steps replay one, and
+    send a decode batch whose span rows exceed its graph's capacity to the piecewise
+    graphs instead (the graph would have no room for its rows)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    from minipic.attention import decode_graph
+
+    def make_execute_model(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            global _executing
+            decode_graph.note_graph_step(None)
+            if not is_enabled(self.vllm_config):
+                return original(self, scheduler_output, *args, **kwargs)
+            dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
+            _executing = (self, scheduler_output, bool(dummy))
+            try:
+                return original(self, scheduler_output, *args, **kwargs)
+            finally:
+                _executing = None
+                decode_graph.note_graph_step(None)
+        return execute_model
+
+    def make_dispatch(original):
+        def dispatch(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
+            desc = original(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+            if _executing is None or desc.cg_mode != CUDAGraphMode.FULL:
+                return desc
+            runner, scheduler_output, dummy = _executing
+            if dummy:  # no requests: every row of the graph is padding
+                decode_graph.note_graph_step(0)
+            elif decode_graph.fits(runner, scheduler_output.num_scheduled_tokens,
+                                   desc.num_reqs):
+                decode_graph.note_graph_step(num_reqs)
+            else:  # as a batch of uneven queries: a piecewise graph
+                return original(self, num_reqs, num_tokens, None, *args, **kwargs)
+            return desc
+        return dispatch
+
+    _wrap(model_runner.GPUModelRunner, "execute_model", make_execute_model)
+    _wrap(cudagraph_utils.CudaGraphManager, "dispatch", make_dispatch)
 
 
 def _note_host_prompts(runner, scheduler_output) -> None:

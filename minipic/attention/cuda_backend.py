@@ -23,10 +23,12 @@ vLLM 0.25's FlashAttention and Triton backends share the cache layout
 `[blocks, 2, block_size, kv_heads, head_size]` (later releases
 `[blocks, kv_heads, block_size, 2 * head_size]`: `split_kv_cache` reads both).
 
-CUDA graphs: piecewise only. A batch's path (stock attention or the span kernel, and
-the host-driven turn-backs) is chosen per batch in eager code between graph pieces;
-a full graph would replay one path for every batch (`AttentionCGSupport.NEVER`, so
-vLLM captures the model's other pieces and runs attention eagerly).
+CUDA graphs: a batch's path (stock attention, the rows or the span kernel) is chosen
+per batch in eager code between piecewise graph pieces. Uniform decode steps on
+FlashAttention rows (FA3, Model Runner V2, no mask_markers) also replay full graphs
+(`AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`): every such step, plain or not, runs
+the rows path from buffers of a fixed capacity (decode_graph.py). Elsewhere
+`AttentionCGSupport.NEVER`: piecewise graphs, attention run eagerly between them.
 
 Registered as `AttentionBackendEnum.CUSTOM`; minipic's attention-selector patch
 returns one of them whenever minipic is on, so users never pick it by hand.
@@ -51,6 +53,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
+from minipic.attention.decode_graph import DecodeGraphRows, graph_step, note_block_size
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
@@ -91,13 +94,17 @@ class SpanBatchBuilder:
     when all are 0), `minipic_span_block_size`, and the kernel's split-KV scratch
     (`minipic_split_kv_scratch`, `minipic_seq_threshold_3d`)."""
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     # Whether the base backend can attend span batches as FlashAttention rows.
     has_flash_rows: ClassVar[bool] = False
+    full_graphs = False  # uniform decode steps replay full graphs (set in __init__)
+    graph_rows: DecodeGraphRows | None = None  # made at the first graph step
+    _capturing = False  # build() runs for a full graph's capture
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return cls._cudagraph_support
+        if cls.has_flash_rows and _full_decode_graphs(vllm_config, kv_cache_spec.head_size):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -111,10 +118,29 @@ class SpanBatchBuilder:
         # FA3 only: FA2's varlen LSE for GQA decodes (its swapped query groups) is untested
         self.use_flash_rows = (self.has_flash_rows and span_attention(vllm_config) == "flash"
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
+        self.full_graphs = (self.use_flash_rows
+                            and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
+        if self.full_graphs:
+            note_block_size(self.block_size)
+            self.graph_max_reqs = min(vllm_config.scheduler_config.max_num_seqs,
+                                      vllm_config.compilation_config.max_cudagraph_capture_size
+                                      or vllm_config.scheduler_config.max_num_seqs)
+            self.graph_max_seqlen_k = vllm_config.model_config.max_model_len
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        """A full graph's capture: its rows at capacity, every one padding."""
+        self._capturing = True
+        try:
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._capturing = False
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
+        real_reqs = 0 if self._capturing else graph_step()
+        if self.full_graphs and real_reqs is not None:
+            return self._graph_build(metadata, m, real_reqs)
         layout = current_layout(m.num_reqs, self.block_size, m.max_seq_len)
         has_spans = layout is not None and not layout.is_plain()
         metadata.minipic_tables = metadata.minipic_quiet_bits = None
@@ -130,6 +156,34 @@ class SpanBatchBuilder:
                     layout, query_start_loc, seq_lens, self.block_size), self.device)
             metadata.minipic_key_turn = token_turns(key_turn_backs(
                 layout, query_start_loc, seq_lens, self.block_size), self.device)
+        metadata.minipic_span_block_size = self.block_size
+        metadata.minipic_split_kv_scratch = self.split_kv_scratch
+        metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
+        return metadata
+
+    def _graph_build(self, metadata, m, real_reqs: int):
+        """A step a full decode graph replays (or captures): its first real_reqs requests
+        are the batch, the rest padding; plain or not, the rows path (decode_graph.py)."""
+        if real_reqs and m.max_query_len != 1:
+            raise RuntimeError("minipic: a full decode graph step has one query per request")
+        rope = current_rope()
+        if self.graph_rows is None:
+            self.graph_rows = DecodeGraphRows(
+                self.graph_max_reqs, m.block_table_tensor.shape[1], self.graph_max_seqlen_k,
+                rope.rotary_dim, rope.is_neox_style, self.device)
+        query_start_loc, seq_lens = _host_extents(m)
+        query_start_loc, seq_lens = query_start_loc[: real_reqs + 1], seq_lens[:real_reqs]
+        layout = current_layout(real_reqs, self.block_size, m.max_seq_len) if real_reqs else None
+        plan = key_turns = None
+        if layout is not None and not layout.is_plain():
+            plan = segment_plan(layout.to("cpu"), query_start_loc, seq_lens, self.block_size,
+                                link_shifts=True)
+            key_turns = key_turn_backs(layout, query_start_loc, seq_lens, self.block_size)
+        metadata.minipic_rows, metadata.minipic_key_turn = self.graph_rows.fill(
+            m.num_reqs, plan, seq_lens, key_turns, m.block_table_tensor, self.block_size,
+            rope.cos_sin(self.device))
+        metadata.minipic_tables = metadata.minipic_quiet_bits = None
+        metadata.minipic_token_shift = None
         metadata.minipic_span_block_size = self.block_size
         metadata.minipic_split_kv_scratch = self.split_kv_scratch
         metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
@@ -343,6 +397,19 @@ def flash_attention_serves(head_size: int, dtype: torch.dtype) -> bool:
             and capability is not None
             and FlashAttentionBackend.supports_compute_capability(capability)
             and get_flash_attn_version(head_size=head_size) is not None)  # this build has FA
+
+
+def _full_decode_graphs(vllm_config, head_size: int) -> bool:
+    """Whether uniform decode steps replay full graphs of the rows path: FA3 rows on Model
+    Runner V2 (whose dispatch minipic checks), no mask_markers (the span kernel's), one
+    data-parallel rank and no speculative decoding (one query per request)."""
+    from minipic.config import is_enabled, mask_markers, span_attention
+
+    return (is_enabled(vllm_config) and bool(getattr(vllm_config, "use_v2_model_runner", False))
+            and span_attention(vllm_config) == "flash" and not mask_markers(vllm_config)
+            and vllm_config.parallel_config.data_parallel_size == 1
+            and vllm_config.speculative_config is None
+            and _flash_attention_version(head_size) == 3)
 
 
 def _flash_attention_version(head_size: int) -> int | None:

@@ -10,7 +10,7 @@ input grew, is added again) until it removes it (finished or preempted).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -29,6 +29,7 @@ class HostPrompts:
         self._firsts: dict[tuple[int, int], np.ndarray] = {}  # (row, block_size) -> ids
         # (row, block_size) -> (span id of each block, the chains it holds)
         self._ids: dict[tuple[int, int], tuple[np.ndarray, list[bytes]]] = {}
+        self._derived: dict[tuple[int, object], object] = {}  # (row, key) -> derived()
         self.span_ids = SpanIds()
         self.generation = 0  # how many prompts were added: a layout cache's key
 
@@ -48,6 +49,8 @@ class HostPrompts:
             del self._firsts[key]
         for key in [k for k in self._ids if k[0] == row]:
             self.span_ids.release(self._ids.pop(key)[1])
+        for key in [k for k in self._derived if k[0] == row]:
+            del self._derived[key]
 
     def remove(self, row: int) -> None:
         """Request row `row` runs nothing now: its prompt and span ids go."""
@@ -63,6 +66,13 @@ class HostPrompts:
         """Whether every row runs a prompt this copy holds (a dummy batch after serving
         names rows of requests that have finished)."""
         return all(row in self._prompts for row in rows.tolist())
+
+    def derived(self, row: int, key: object, compute: Callable[[np.ndarray], object]) -> object:
+        """compute(row's prompt), computed once while the row runs that prompt."""
+        found = self._derived.get((row, key))
+        if found is None:
+            found = self._derived[(row, key)] = compute(self._prompts[row])
+        return found
 
     def blocks(self, rows: np.ndarray, block_size: int, blocks: int, span_ids: bool = True
                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:

@@ -48,6 +48,9 @@ class SegmentBatch:
     own_turned: bool
     rotary_dim: int
     is_neox_style: bool
+    # A full graph's batch (decode_graph.py): [1] on the device, how many of the turn's
+    # rows are in use (the rest are capacity); None: all are.
+    turn_count: torch.Tensor | None = None
 
 
 def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Tensor,
@@ -128,7 +131,8 @@ def _turned(query: torch.Tensor, batch: SegmentBatch, new_keys: NewKeys | None
         return None, turned_keys
     key_turn = () if keys is None else (keys, new_keys.turn.cos, new_keys.turn.sin)
     return turn_rows_and_keys(query, batch.turn_index, batch.turn.cos, batch.turn.sin,
-                              batch.rotary_dim, batch.is_neox_style, *key_turn)
+                              batch.rotary_dim, batch.is_neox_style, *key_turn,
+                              row_count=batch.turn_count)
 
 
 def merge(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
@@ -140,12 +144,13 @@ def merge(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
     heads = own_lse.shape[0]
     peak = own_lse.float().clone()
     peak.scatter_reduce_(1, token[None].expand(heads, -1), earlier_lse.float(), "amax")
+    peak = peak.nan_to_num(neginf=0.0)  # a token without keys (graph padding) gets 0
     own_weight = torch.exp(own_lse.float() - peak)  # [heads, n]
     earlier_weight = torch.exp(earlier_lse.float() - peak[:, token])  # [heads, m]
     total = own_out.float() * own_weight.t()[..., None]
     total.index_add_(0, token, earlier_out.float() * earlier_weight.t()[..., None])
     norm = own_weight.index_add(1, token, earlier_weight)
-    output.copy_(total / norm.t()[..., None])
+    output.copy_(total / norm.clamp(min=torch.finfo(torch.float32).tiny).t()[..., None])
     return output
 
 
@@ -187,7 +192,8 @@ def paged_flash_reference(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     heads = q.shape[1]
     result = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.zeros(heads, q.shape[0], dtype=torch.float32, device=q.device)
+    # tokens in no row (a graph batch's padding) stand at -inf: no weight in the merge
+    lse = torch.full((heads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cu = rows.cu_seqlens_q.tolist()
     for row, key_len in enumerate(rows.seqused_k.tolist()):
         blocks = block_table[row, : -(-key_len // block_size)].long()

@@ -49,28 +49,33 @@ def _turn_one_row(src, dst, cos_row, sin_row, src_stride_h, dst_stride_h,
 def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
                       q_stride_t, q_stride_h, out_stride_t, out_stride_h, turn_stride,
                       k_ptr, k_cos_ptr, k_sin_ptr, k_out_ptr, k_stride_t, k_stride_h,
-                      k_out_stride_t, k_out_stride_h, k_turn_stride, num_q_rows,
+                      k_out_stride_t, k_out_stride_h, k_turn_stride, num_q_rows, count_ptr,
                       HEADS: tl.constexpr, HEADS_PADDED: tl.constexpr,
                       K_HEADS: tl.constexpr, K_HEADS_PADDED: tl.constexpr,
                       HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
                       HALF_PADDED: tl.constexpr, PASS_PADDED: tl.constexpr,
-                      IS_NEOX: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_KEYS: tl.constexpr):
+                      IS_NEOX: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_KEYS: tl.constexpr,
+                      HAS_COUNT: tl.constexpr):
     # One program per row, all heads at once: a program per (row, head) moved 256 bytes
     # and its launch grid, not the memory, set the kernel's time. With HAS_KEYS the
     # programs past num_q_rows turn new keys (token i by its own row), so a layer turns
-    # its queries and its keys in one launch.
+    # its queries and its keys in one launch. With HAS_COUNT (a full CUDA graph's
+    # fixed grid) the query rows from count_ptr[0] on are capacity: nothing to turn.
     # int64 offsets: rows x row stride passes 2^31 elements on long batches
     row = tl.program_id(0).to(tl.int64)
     is_key = False
     if HAS_KEYS:  # without keys is_key stays a constant and the compiler drops its branch
         is_key = row >= num_q_rows
+    limit = num_q_rows
+    if HAS_COUNT:
+        limit = tl.load(count_ptr).to(tl.int64)
     if is_key:
         key = row - num_q_rows
         _turn_one_row(k_ptr + key * k_stride_t, k_out_ptr + key * k_out_stride_t,
                       k_cos_ptr + key * k_turn_stride, k_sin_ptr + key * k_turn_stride,
                       k_stride_h, k_out_stride_h, K_HEADS, K_HEADS_PADDED, HEAD_SIZE,
                       ROT_HALF, HALF_PADDED, PASS_PADDED, IS_NEOX)
-    else:
+    elif row < limit:
         if HAS_INDEX:
             token = tl.load(index_ptr + row).to(tl.int64)
         else:  # row i turns token i
@@ -92,10 +97,12 @@ def turn_rows(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor
 def turn_rows_and_keys(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor,
                        sin: torch.Tensor, rotary_dim: int, is_neox_style: bool,
                        key: torch.Tensor | None = None, key_cos: torch.Tensor | None = None,
-                       key_sin: torch.Tensor | None = None
+                       key_sin: torch.Tensor | None = None, row_count: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """turn_rows' rows and, in the same launch, `key`'s first key_cos.shape[0] tokens
-    [tokens, kv_heads, head_size] turned by (key_cos[i], key_sin[i]) (None without `key`)."""
+    [tokens, kv_heads, head_size] turned by (key_cos[i], key_sin[i]) (None without `key`).
+    `row_count` [1] on the device: only the first row_count[0] rows are turned (the rest
+    of `out` is left as it is)."""
     rows, (_, heads, head_size) = cos.shape[0], query.shape
     assert query.stride(-1) == 1, "the kernel reads each head's dims as one run"
     out = torch.empty(rows, heads, head_size, dtype=query.dtype, device=query.device)
@@ -118,12 +125,20 @@ def turn_rows_and_keys(query: torch.Tensor, index: torch.Tensor | None, cos: tor
         query.stride(1), out.stride(0), out.stride(1), cos.stride(0),
         key, key_cos, key_sin, key_out_arg, key.stride(0), key.stride(1),
         key_out_arg.stride(0), key_out_arg.stride(1), key_cos.stride(0), rows,
-        HEADS=heads, HEADS_PADDED=triton.next_power_of_2(heads), K_HEADS=key.shape[1],
+        cos if row_count is None else row_count, HEADS=heads, HEADS_PADDED=triton.next_power_of_2(heads), K_HEADS=key.shape[1],
         K_HEADS_PADDED=triton.next_power_of_2(key.shape[1]), HEAD_SIZE=head_size,
         ROT_HALF=half, HALF_PADDED=triton.next_power_of_2(half),
         PASS_PADDED=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
-        IS_NEOX=is_neox_style, HAS_INDEX=index is not None, HAS_KEYS=keys > 0)
+        IS_NEOX=is_neox_style, HAS_INDEX=index is not None, HAS_KEYS=keys > 0,
+        HAS_COUNT=row_count is not None)
     return out, key_out
+
+
+@triton.jit
+def _no_keys_as_minus_inf(lse):
+    """A row without keys: FA3 gives its LSE as -inf, FA2 as +inf (vLLM's
+    merge_attn_states reads both so): -inf, no weight."""
+    return tl.where(lse == float("inf"), float("-inf"), lse)
 
 
 @triton.jit
@@ -139,12 +154,15 @@ def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, start
     last = tl.load(starts_ptr + token + 1)
     head = tl.arange(0, HEADS_PADDED)
     head_mask = head < HEADS
-    own_lse = tl.load(own_lse_ptr + head * own_lse_stride_h + token, mask=head_mask, other=0.0)
+    own_lse = _no_keys_as_minus_inf(
+        tl.load(own_lse_ptr + head * own_lse_stride_h + token, mask=head_mask, other=0.0))
     peak = own_lse
     for i in range(first, last):
         entry = tl.load(entries_ptr + i).to(tl.int64)
-        peak = tl.maximum(peak, tl.load(earlier_lse_ptr + head * earlier_lse_stride_h + entry,
-                                        mask=head_mask, other=0.0))
+        peak = tl.maximum(peak, _no_keys_as_minus_inf(tl.load(
+            earlier_lse_ptr + head * earlier_lse_stride_h + entry, mask=head_mask, other=0.0)))
+    # a token whose rows read no keys (a full graph's padding request) gets 0, not NaN
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
     d = tl.arange(0, HEAD_PADDED)[None, :]
     mask = head_mask[:, None] & (d < HEAD_SIZE)
     weight = tl.exp(own_lse - peak)
@@ -154,12 +172,14 @@ def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, start
     norm = weight
     for i in range(first, last):
         entry = tl.load(entries_ptr + i).to(tl.int64)
-        w = tl.exp(tl.load(earlier_lse_ptr + head * earlier_lse_stride_h + entry,
-                           mask=head_mask, other=0.0) - peak)
+        w = tl.exp(_no_keys_as_minus_inf(tl.load(
+            earlier_lse_ptr + head * earlier_lse_stride_h + entry, mask=head_mask,
+            other=0.0)) - peak)
         total += w[:, None] * tl.load(
             earlier_ptr + entry * earlier_stride_t + head[:, None] * earlier_stride_h + d,
             mask=mask, other=0.0).to(tl.float32)
         norm += w
+    norm = tl.where(norm == 0.0, 1.0, norm)
     tl.store(out_ptr + token * out_stride_t + head[:, None] * out_stride_h + d,
              (total / norm[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 

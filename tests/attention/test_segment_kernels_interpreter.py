@@ -75,13 +75,54 @@ def _errors(name: str) -> dict[str, float]:
                          plan.earlier.query_index)
     whole = torch.empty_like(q)
     segment_attention(q, case.k_cache, case.v_cache, whole, batch, flash)
-    return {"turn": relative_error(by_kernel, by_torch),
+    return {**_graph_errors(kwargs),
+            "turn": relative_error(by_kernel, by_torch),
             "turn_keys": relative_error(keys_by_kernel, keys_by_torch),
             "turn_both_queries": relative_error(both_q, by_torch),
             "turn_both_keys": relative_error(both_k, k_by_torch),
             "merge": relative_error(merged_kernel, merged_torch),
             "merge_vs_reference": relative_error(merged_kernel, reference_attention(case)),
             "torch_path_vs_reference": relative_error(whole, reference_attention(case))}
+
+
+def _graph_errors(kwargs: dict) -> dict[str, float]:
+    """A full decode graph's batch (decode_graph.py), two padding requests: the turn
+    stops at its row count, the merge gives padding (rows without keys, whose LSE FA3
+    gives as -inf and FA2 as +inf) 0."""
+    import torch
+
+    from minipic.attention.decode_graph import DecodeGraphRows
+    from minipic.attention.segment_attention import paged_flash_reference
+    from minipic.attention.segment_kernels import merge_rows, turn_rows_and_keys
+    from minipic.attention.segment_plan import segment_plan
+    from minipic.devtools.paged_attention_case import (reference_attention, relative_error,
+                                                       shared_documents_case)
+
+    case = shared_documents_case(**kwargs)
+    n, padded = case.q.shape[0], case.q.shape[0] + 2
+    plan = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
+    table = torch.zeros(padded, case.block_table.shape[1], dtype=case.block_table.dtype)
+    table[:n] = case.block_table
+    rows = DecodeGraphRows(padded, table.shape[1], 4096, case.rotary_dim, case.is_neox,
+                           torch.device("cpu"))
+    batch, _ = rows.fill(padded, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+    q = torch.cat([case.q, torch.randn(2, *case.q.shape[1:]).to(case.q.dtype)])
+    used = int(batch.turn_count)
+    by_kernel, _ = turn_rows_and_keys(q, batch.turn_index, batch.turn.cos, batch.turn.sin,
+                                      case.rotary_dim, case.is_neox, row_count=batch.turn_count)
+    by_torch = batch.turn.apply(q.index_select(0, batch.turn_index)).to(q.dtype)
+    out, lse = paged_flash_reference(by_torch, case.k_cache, case.v_cache, batch.plan.joint,
+                                     batch.joint_table, causal=False, scale=case.scale)
+    merged = {}
+    for name, padding_lse in (("fa3", float("-inf")), ("fa2", float("inf"))):
+        lse[:, n:padded] = padding_lse
+        merged[name] = merge_rows(torch.empty_like(q), out[:padded], lse[:, :padded],
+                                  out[padded:], lse[:, padded:], batch.plan.merge_starts,
+                                  batch.plan.merge_entries)
+    return {"graph_turn": relative_error(by_kernel[:used], by_torch[:used]),
+            "graph_merge_vs_reference": relative_error(merged["fa3"][:n],
+                                                       reference_attention(case)),
+            "graph_padding": max(float(m[n:].float().abs().max()) for m in merged.values())}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +139,8 @@ def interpreter_errors() -> dict:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("check", ["turn", "turn_keys", "turn_both_queries", "turn_both_keys",
-                                   "merge", "merge_vs_reference", "torch_path_vs_reference"])
+                                   "merge", "merge_vs_reference", "torch_path_vs_reference",
+                                   "graph_turn", "graph_merge_vs_reference", "graph_padding"])
 def test_kernels_match_torch(interpreter_errors, name, check):
     err = interpreter_errors[name]
     assert isinstance(err, dict), err  # the child reports an exception as text

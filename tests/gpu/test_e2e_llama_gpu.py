@@ -48,7 +48,8 @@ RUNS = {
     # A second stock backend: how far two correct kernels drift apart on this model.
     "off_triton": dict(enforce_eager=True, attention_config={"backend": "TRITON_ATTN"}),
     "on_eager": dict(enforce_eager=True, additional_config=MINIPIC),
-    # torch.compile + piecewise CUDA graphs (minipic declares no full-graph support)
+    # torch.compile, piecewise CUDA graphs and full graphs of uniform decode steps (the
+    # rows path from fixed-capacity buffers, plain and span batches: decode_graph.py)
     "on_compiled": dict(additional_config=MINIPIC,
                         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}),
     # span batches on minipic's Triton kernel instead of FlashAttention rows
@@ -131,7 +132,16 @@ def _count_span_paths() -> dict:
     between requests (the engine runs in this process)."""
     from minipic.attention import cuda_backend, segment_plan
 
-    calls = {"rows": 0, "kernel": 0, "shared_plans": 0}
+    from minipic.attention import decode_graph
+
+    calls = {"rows": 0, "kernel": 0, "shared_plans": 0, "graph_span_steps": 0}
+    fill = decode_graph.DecodeGraphRows.fill
+
+    def counted_fill(self, num_reqs, plan, *args, **kwargs):
+        calls["graph_span_steps"] += plan is not None  # a full graph replayed a span batch
+        return fill(self, num_reqs, plan, *args, **kwargs)
+
+    decode_graph.DecodeGraphRows.fill = counted_fill
     for name, path in (("segment_attention", "rows"), ("unified_attention_rope", "kernel")):
         original = getattr(cuda_backend, name)
 
@@ -250,6 +260,13 @@ def _compare(off: dict, on: dict) -> dict:
                  len(a["tokens"])) for a, b in zip(off[label], on[label])]
         out[f"{label}_first_token_lp_diff"] = [abs(a["lp"][0] - b["lp"][0])
                                                for a, b in zip(off[label], on[label])]
+    # generated tokens' logprobs (decode steps) while both continuations agree
+    decode = []
+    for label in ("first", "cached"):
+        for a, b, same in zip(off[label], on[label], out[f"{label}_greedy_equal_prefix"]):
+            decode += [abs(x - y) for x, y in zip(a["lp"][1:same], b["lp"][1:same])]
+    out["decode_lp_compared"] = len(decode)
+    out["decode_lp_mean_abs_diff"] = sum(decode) / len(decode) if decode else None
     out["cached_tokens_on"] = [o["cached_tokens"] for o in on["cached"]]
     return out
 
@@ -280,8 +297,8 @@ def test_plain_prompts_are_stock_flash_attention(runs):
 @pytest.mark.parametrize("run", ["on_eager", "on_compiled"])
 def test_logprobs_match_minipic_off(runs, run):
     """minipic vs stock Triton differs no more than two stock backends differ from each other
-    (compiled, minipic runs piecewise graphs where stock FA3 also captures full decode
-    graphs, so its numbers need not equal stock's bit for bit).
+    (compiled, minipic's full decode graphs run the rows path, plain prompts too, so its
+    numbers need not equal stock's bit for bit).
 
     32 random layers amplify any rounding difference, so the yardstick is measured on the
     same prompts: FA3 against stock Triton.
@@ -294,6 +311,8 @@ def test_logprobs_match_minipic_off(runs, run):
     # A wrong rotation is far outside both: logprobs spread by about 1.3 here.
     assert s["prompt_lp_mean_abs_diff"] < 0.1 * s["prompt_lp_std_across_positions"], s
     assert any(n > 0 for n in s["cached_tokens_on"]), "second round never hit the prefix cache"
+    assert s["decode_lp_compared"] > 0, s  # compiled: the decode steps replay full graphs
+    assert s["decode_lp_mean_abs_diff"] < 2 * (noise["decode_lp_mean_abs_diff"] or 0) + 0.01, (s, noise)
 
 
 def test_span_layouts_from_host_prompts_match_the_v1_runner(runs):
@@ -333,3 +352,7 @@ def test_span_prompts_on_flash_rows_match_the_span_kernel(runs, run):
     s = _compare(kernel, flash)
     assert s["prompt_lp_mean_abs_diff"] < 2 * noise["prompt_lp_mean_abs_diff"] + 0.01, (s, noise)
     assert s["prompt_lp_p99_abs_diff"] < 2 * noise["prompt_lp_p99_abs_diff"] + 0.05, (s, noise)
+    # the decode steps after the hits (compiled: replayed from full decode graphs)
+    assert s["decode_lp_compared"] > 0, s
+    assert s["decode_lp_mean_abs_diff"] < 2 * (noise["decode_lp_mean_abs_diff"] or 0) + 0.01, (s, noise)
+    assert (runs[run]["span_paths"]["graph_span_steps"] > 0) == (run == "on_compiled")

@@ -151,3 +151,46 @@ def test_requests_sharing_documents_on_fa3(query_lens):
     assert plan.earlier.row_request.numel() == 5  # 7 without sharing
     ours = run_rows(case)
     assert relative_error(ours, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+
+
+def test_a_captured_decode_graph_replays_other_batches():
+    """decode_graph: the rows' attention captured once in a CUDA graph at the buffers'
+    capacity (every request padding, as vLLM captures), then replayed after each fill of
+    another decode batch (shared documents, EPIC, plain; fewer requests than the graph's):
+    each replay matches the reference, and the padding requests give 0."""
+    from minipic.attention.decode_graph import DecodeGraphRows
+
+    heads = dict(num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+                 device="cuda")
+    cases = [shared_documents_case(**heads), build("spans_decode", torch.bfloat16),
+             make_case([1, 1], [16 + 640, 800], **heads,
+                       markers=[epic_markers(10, 4, 1, 3), epic_markers(3, 12, 2, 8)]),
+             make_case([1, 1, 1], [90, 2000, 7], **heads)]
+    num_reqs, width = 6, max(c.block_table.shape[1] for c in cases)
+    # one cache for all: each case's blocks copied in at its own offset
+    k_cache = torch.cat([c.k_cache for c in cases])
+    v_cache = torch.cat([c.v_cache for c in cases])
+    offsets = torch.tensor([0] + [c.k_cache.shape[0] for c in cases]).cumsum(0)
+    rows = DecodeGraphRows(num_reqs, width, 8192, 128, True, torch.device("cuda"))
+    table = torch.zeros(num_reqs, width, dtype=torch.int32, device="cuda")
+    query = torch.zeros(num_reqs, 32, 128, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(query)
+    flash = functools.partial(vllm_flash_rows, scale=cases[0].scale, fa_version=3)
+    batch, _ = rows.fill(num_reqs, None, [], None, table, 16, cases[0].cos_sin)
+    segment_attention(query, k_cache, v_cache, out, batch, flash)  # warm-up, as vLLM's
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        segment_attention(query, k_cache, v_cache, out, batch, flash)
+    for i, case in enumerate(cases):
+        n = case.q.shape[0]
+        plan = None if case.layout is None else segment_plan(
+            case.layout.to("cpu"), case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
+        table.zero_()
+        table[:n, : case.block_table.shape[1]] = case.block_table + offsets[i].item()
+        rows.fill(num_reqs, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+        query.normal_()
+        query[:n] = case.q
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out[:n], reference_attention(case)) < TOLERANCE[torch.bfloat16], i
+        assert not out[n:].any(), i

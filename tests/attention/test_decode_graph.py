@@ -1,0 +1,115 @@
+"""A full decode graph's rows (decode_graph.py) against the independent reference, on CPU:
+the same batch written into fixed-capacity buffers, with padding requests after the real
+ones and empty rows after the plan's, must attend as the exact plan does (the rows run
+through `paged_flash_reference`, what FlashAttention computes; the GPU e2e tests replay
+the captured graphs on FA3)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from minipic.attention import decode_graph, span_layout
+from minipic.attention.decode_graph import DecodeGraphRows, earlier_capacity
+from minipic.attention.host_prompts import HostPrompts
+from minipic.attention.segment_attention import paged_flash_reference, segment_attention
+from minipic.attention.segment_plan import segment_plan
+from minipic.devtools.paged_attention_case import (MARKER_TOKENS, MARKERS, epic_markers,
+                                                   make_case, marker_layout,
+                                                   reference_attention, relative_error,
+                                                   shared_documents_case)
+
+PADDING = 3  # the graph's batch size is the real requests' plus this
+
+
+def graph_attention(case, plan, num_reqs):
+    """`case`'s decode batch through a graph of num_reqs requests: output [num_reqs, ...]."""
+    n = case.q.shape[0]
+    rows = DecodeGraphRows(num_reqs + 2, case.block_table.shape[1], 4096, case.rotary_dim,
+                           case.is_neox, torch.device("cpu"))
+    table = torch.zeros(num_reqs, case.block_table.shape[1], dtype=case.block_table.dtype)
+    table[:n] = case.block_table
+    batch, _ = rows.fill(num_reqs, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+    query = torch.cat([case.q, torch.randn(num_reqs - n, *case.q.shape[1:]).to(case.q.dtype)])
+    out = torch.full_like(query, float("nan"))
+    segment_attention(query, case.k_cache, case.v_cache, out, batch,
+                      functools.partial(paged_flash_reference, scale=case.scale))
+    return out, batch
+
+
+def decode_plan(case):
+    return segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_shared_documents_decode_in_the_graph_as_in_the_plan(seed):
+    case = shared_documents_case(torch.float32, seed=seed)
+    plan = decode_plan(case)
+    assert plan.earlier is not None and plan.joint is not None
+    out, batch = graph_attention(case, plan, case.q.shape[0] + PADDING)
+    n = case.q.shape[0]
+    assert relative_error(out[:n], reference_attention(case)) < 1e-5
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))  # padding: no keys, no NaN
+    # the graph's shapes are its capacity's, whatever the batch
+    assert batch.turn_index.numel() == n + PADDING + earlier_capacity(n + PADDING)
+    assert int(batch.turn_count) == n + PADDING + plan.earlier.query_index.numel()
+
+
+def test_epic_decode_in_the_graph_as_in_the_plan():
+    markers = [epic_markers(4, 3, 1, 2), epic_markers(2, 5, 1, 3), "---P"]
+    seq_lens = [16 * len(m) - 3 for m in markers]
+    case = make_case([1, 1, 1], [s - 1 for s in seq_lens], num_q_heads=8, num_kv_heads=2,
+                     head_size=32, dtype=torch.float32, markers=markers)
+    out, _ = graph_attention(case, decode_plan(case), 3 + PADDING)
+    assert relative_error(out[:3], reference_attention(case)) < 1e-5
+
+
+def test_a_plain_batch_in_the_graph_is_causal_attention():
+    case = make_case([1, 1], [70, 200], num_q_heads=4, num_kv_heads=2, head_size=32,
+                     dtype=torch.float32)
+    out, batch = graph_attention(case, None, 2 + PADDING)
+    assert relative_error(out[:2], reference_attention(case)) < 1e-5
+    assert not batch.turn.sin[:2].any()  # turned by 0: stock attention
+
+
+def test_the_graph_without_the_earlier_rows_gives_another_answer():
+    """The graph must hold the plan's earlier rows: the test can fail."""
+    case = shared_documents_case(torch.float32)
+    plan = decode_plan(case)
+    plan.earlier = plan.joint = None
+    out, _ = graph_attention(case, plan, 3 + PADDING)
+    assert relative_error(out[:3], reference_attention(case)) > 1e-2
+
+
+def test_a_batch_past_the_capacity_is_refused(monkeypatch):
+    case = shared_documents_case(torch.float32)
+    monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
+    with pytest.raises(RuntimeError, match="does not fit the CUDA graph"):
+        graph_attention(case, decode_plan(case), 3)
+
+
+def test_each_requests_need_is_its_plans_earlier_tokens(monkeypatch):
+    """The dispatch check's count, from each prompt alone, against the plan of the batch."""
+    protocol = MARKERS
+    monkeypatch.setattr(span_layout, "_protocol", protocol)
+    monkeypatch.setattr(decode_graph, "_block_size", 16)
+    markers = [epic_markers(4, 3, 1, 2), epic_markers(2, 5, 1, 3), "---P"]
+    prompts, lens = HostPrompts(protocol), [16 * len(m) - 3 for m in markers]
+    for row, (m, size) in enumerate(zip(markers, lens)):
+        tokens = np.full(size, 7, dtype=np.int64)
+        tokens[::16] = [MARKER_TOKENS.get(c, 7) for c in m]
+        prompts.add(row, tokens)
+    runner = type("Runner", (), {})()
+    runner.minipic_host_prompts = prompts
+    runner.req_states = type("States", (), {"req_id_to_index": {"a": 0, "b": 1, "c": 2}})()
+    layout = marker_layout(markers, max(-(-s // 16) + 1 for s in lens), 16)
+    plan = segment_plan(layout, [0, 1, 2, 3], [s + 1 for s in lens], 16)
+    need = plan.earlier.query_index.numel()
+    assert need == 4 + 2  # a row per cached document of each request, none for the plain one
+    assert decode_graph.fits(runner, ["a", "b", "c"], 1)  # capacity 32 for one request
+    monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 2)
+    assert not decode_graph.fits(runner, ["a", "b", "c"], 2)  # 6 > 4
+    assert decode_graph.fits(runner, ["a", "b", "c"], 3)  # 6 <= 6
