@@ -363,8 +363,8 @@ _executing: tuple | None = None
 
 def _patch_full_decode_graphs(model_runner) -> None:
     """MRV2 full decode graphs (attention.decode_graph): note which steps replay one, and
-    send a decode batch whose span rows exceed its graph's capacity to the piecewise
-    graphs instead (the graph would have no room for its rows)."""
+    send a decode batch without spans (stock attention) or whose span rows exceed its
+    graph's capacity (no room for them) to the piecewise graphs instead."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu import cudagraph_utils
 
@@ -393,8 +393,8 @@ def _patch_full_decode_graphs(model_runner) -> None:
             runner, scheduler_output, dummy = _executing
             if dummy:  # no requests: every row of the graph is padding
                 decode_graph.note_graph_step(0)
-            elif decode_graph.fits(runner, scheduler_output.num_scheduled_tokens,
-                                   desc.num_reqs):
+            elif decode_graph.takes_full_graph(runner, scheduler_output.num_scheduled_tokens,
+                                               desc.num_reqs):
                 decode_graph.note_graph_step(num_reqs)
             else:  # as a batch of uneven queries: a piecewise graph
                 return original(self, num_reqs, num_tokens, None, *args, **kwargs)

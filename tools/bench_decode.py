@@ -41,7 +41,8 @@ from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.config import DEFAULT_SERVER_RECIPE  # noqa: E402
 from minipic.devtools.bench_setup import make_model, random_words  # noqa: E402
 
-ENGINES = ("stock", "minipic")
+# minipic_plain: minipic on, stock's plain prompts (what minipic costs a user without markers)
+ENGINES = ("stock", "minipic", "minipic_plain")
 PROFILED_STEPS = 6
 
 
@@ -81,7 +82,7 @@ def engine_child(spec: dict) -> dict:
     kwargs = dict(spec["engine"], model=spec["model"], enable_prefix_caching=True, seed=0,
                   max_num_seqs=spec["batch"], enforce_eager=spec["mode"] == "eager",
                   max_model_len=min(8192, spec["engine"]["max_model_len"]))
-    if spec["name"] == "minipic":
+    if spec["name"] != "stock":
         kwargs["additional_config"] = {"minipic": spec["markers"]}
     if spec.get("profile_dir"):
         kwargs["profiler_config"] = {"profiler": "torch",
@@ -93,7 +94,7 @@ def engine_child(spec: dict) -> dict:
     if spec["name"] == "minipic":
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in load["span_prefills"]], one,
                      use_tqdm=False)
-    rounds = load[spec["name"]]
+    rounds = load["stock" if spec["name"] == "minipic_plain" else spec["name"]]
     llm.generate([TokensPrompt(prompt_token_ids=rounds[0][0])], one, use_tqdm=False)
     params = SamplingParams(max_tokens=spec["steps"] + 1, temperature=0.0, ignore_eos=True)
     steps, cached, context = [], [], len(rounds[0][0])
@@ -193,8 +194,9 @@ def main() -> None:
                              "(torch profiler; its prefills untraced)")
     parser.add_argument("--profile-stack", action="store_true",
                         help="the traces record Python stacks (where host time goes; slower)")
-    parser.add_argument("--engines", default=",".join(ENGINES),
-                        help="stock,minipic (one of them: its row only, no ratio)")
+    parser.add_argument("--engines", default="stock,minipic",
+                        help="of stock,minipic,minipic_plain (minipic on, plain prompts); "
+                             "ratios to stock for those run with it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.child:
@@ -204,7 +206,7 @@ def main() -> None:
         parser.error("--out is required")
     engines = args.engines.split(",")
     if not set(engines) <= set(ENGINES) or len(set(engines)) != len(engines):
-        parser.error(f"--engines: one or both of {', '.join(ENGINES)}")
+        parser.error(f"--engines: some of {', '.join(ENGINES)}")
     if args.doc_sets < 1:
         parser.error("--doc-sets: at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -224,13 +226,16 @@ def main() -> None:
 
 
 def save(args, rows: list[dict]) -> None:
-    ratios = {}
+    ratios: dict[str, dict] = {"minipic": {}, "minipic_plain": {}}
     for mode in {r["mode"] for r in rows}:
         by = {r["engine"]: r for r in rows if r["mode"] == mode}
-        if len(by) == len(ENGINES):
-            ratios[mode] = round(by["minipic"]["median_step_ms"] / by["stock"]["median_step_ms"], 3)
+        for name in ratios:
+            if name in by and "stock" in by:
+                ratios[name][mode] = round(by[name]["median_step_ms"]
+                                           / by["stock"]["median_step_ms"], 3)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-              "minipic_vs_stock": ratios}
+              "minipic_vs_stock": ratios["minipic"],
+              "minipic_plain_vs_stock": ratios["minipic_plain"]}
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
 
 

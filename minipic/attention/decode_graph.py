@@ -11,12 +11,10 @@ the captured batch size B:
   * row tokens: the B queries, then the earlier rows' tokens, then padding that no row
     holds (the turn skips it: `counts`).
 FlashAttention skips empty rows, and the merge reads only the entries the plan gives.
-A plain batch (no markers) is its own rows alone, turned by 0: stock attention on the
-same keys.
-
-A batch needing more earlier row tokens than earlier_capacity(B) runs without its full
-graph: `fits` is asked before vLLM picks the graph (minipic's dispatch patch), from each
-request's need, which depends on its prompt alone (planned once per request).
+A batch without spans, and one needing more earlier row tokens than earlier_capacity(B),
+runs without the full graph: `takes_full_graph` is asked before vLLM picks the graph
+(minipic's dispatch patch), from each request's prompt alone (planned once per request).
+A plain batch here (a capture, a dummy run) is its own rows alone, turned by 0.
 """
 
 from __future__ import annotations
@@ -236,9 +234,12 @@ def graph_step() -> int | None:
     return _graph_step
 
 
-def fits(runner, req_ids, num_reqs: int) -> bool:
-    """Whether the decode batch of `req_ids` fits the full graph of num_reqs requests:
-    the sum of their prompts' earlier row tokens (each computed once per request)."""
+def takes_full_graph(runner, req_ids, num_reqs: int) -> bool:
+    """Whether the decode batch of `req_ids` replays the full graph of num_reqs requests:
+    some request has spans, and the sum of their prompts' earlier row tokens fits the
+    graph's capacity (each prompt planned once). A batch without spans is stock's: vLLM's
+    FlashAttention between piecewise graphs (on plain prompts the rows graph measured 1.39x
+    stock's full graph, docs/benchmarks.md)."""
     prompts = getattr(runner, "minipic_host_prompts", None)
     block_size = _block_size
     if prompts is None or block_size is None:
@@ -247,15 +248,17 @@ def fits(runner, req_ids, num_reqs: int) -> bool:
     rows = [index.get(req_id) for req_id in req_ids]
     if None in rows or not prompts.holds(np.asarray(rows)):
         return False
-    need = sum(prompts.derived(row, ("decode_earlier_tokens", block_size),
-                               lambda prompt: _prompt_need(prompt, block_size))
-               for row in rows)
-    return need <= earlier_capacity(num_reqs)
+    needs = [prompts.derived(row, ("decode_graph_need", block_size),
+                             lambda prompt: _prompt_need(prompt, block_size))
+             for row in rows]
+    has_spans = any(not plain for _, plain in needs)
+    return has_spans and sum(need for need, _ in needs) <= earlier_capacity(num_reqs)
 
 
-def _prompt_need(prompt: np.ndarray, block_size: int) -> int:
-    """decode_earlier_tokens of one prompt, from its block first tokens: at its first
-    generated token and one block on (where a generated block would start a segment)."""
+def _prompt_need(prompt: np.ndarray, block_size: int) -> tuple[int, bool]:
+    """decode_earlier_tokens of one prompt, from its block first tokens (at its first
+    generated token and one block on, where a generated block would start a segment), and
+    whether its layout is plain (SpanLayout.is_plain)."""
     from minipic.attention.span_layout import current_protocol, span_layout
 
     blocks = -(-(prompt.size + 1) // block_size) + 1
@@ -264,5 +267,6 @@ def _prompt_need(prompt: np.ndarray, block_size: int) -> int:
     firsts[: shown.size] = shown
     layout = span_layout(torch.from_numpy(firsts[None]), current_protocol(), block_size,
                          torch.tensor([prompt.size]))
-    return max(decode_earlier_tokens(layout, position, block_size)
+    need = max(decode_earlier_tokens(layout, position, block_size)
                for position in (prompt.size, prompt.size + block_size))
+    return need, layout.is_plain()

@@ -125,7 +125,8 @@ def turn_rows_and_keys(query: torch.Tensor, index: torch.Tensor | None, cos: tor
         query.stride(1), out.stride(0), out.stride(1), cos.stride(0),
         key, key_cos, key_sin, key_out_arg, key.stride(0), key.stride(1),
         key_out_arg.stride(0), key_out_arg.stride(1), key_cos.stride(0), rows,
-        cos if row_count is None else row_count, HEADS=heads, HEADS_PADDED=triton.next_power_of_2(heads), K_HEADS=key.shape[1],
+        cos if row_count is None else row_count,  # without a count: never read
+        HEADS=heads, HEADS_PADDED=triton.next_power_of_2(heads), K_HEADS=key.shape[1],
         K_HEADS_PADDED=triton.next_power_of_2(key.shape[1]), HEAD_SIZE=head_size,
         ROT_HALF=half, HALF_PADDED=triton.next_power_of_2(half),
         PASS_PADDED=triton.next_power_of_2(max(head_size - rotary_dim, 1)),

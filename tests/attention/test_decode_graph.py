@@ -7,6 +7,7 @@ the captured graphs on FA3)."""
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -91,25 +92,26 @@ def test_a_batch_past_the_capacity_is_refused(monkeypatch):
         graph_attention(case, decode_plan(case), 3)
 
 
-def test_each_requests_need_is_its_plans_earlier_tokens(monkeypatch):
-    """The dispatch check's count, from each prompt alone, against the plan of the batch."""
-    protocol = MARKERS
-    monkeypatch.setattr(span_layout, "_protocol", protocol)
+def test_the_dispatch_check_counts_each_requests_need_and_skips_plain_batches(monkeypatch):
+    """The check before vLLM picks a full graph: each prompt's need alone, summed, against
+    the plan of the batch; a batch without spans stays with stock's attention."""
+    monkeypatch.setattr(span_layout, "_protocol", MARKERS)
     monkeypatch.setattr(decode_graph, "_block_size", 16)
-    markers = [epic_markers(4, 3, 1, 2), epic_markers(2, 5, 1, 3), "---P"]
-    prompts, lens = HostPrompts(protocol), [16 * len(m) - 3 for m in markers]
+    markers = [epic_markers(4, 3, 1, 2), epic_markers(2, 5, 1, 3), "---P", "----"]
+    prompts, lens = HostPrompts(MARKERS), [16 * len(m) - 3 for m in markers]
     for row, (m, size) in enumerate(zip(markers, lens)):
         tokens = np.full(size, 7, dtype=np.int64)
-        tokens[::16] = [MARKER_TOKENS.get(c, 7) for c in m]
+        tokens[::16] = [MARKER_TOKENS[c] for c in m]
         prompts.add(row, tokens)
-    runner = type("Runner", (), {})()
-    runner.minipic_host_prompts = prompts
-    runner.req_states = type("States", (), {"req_id_to_index": {"a": 0, "b": 1, "c": 2}})()
-    layout = marker_layout(markers, max(-(-s // 16) + 1 for s in lens), 16)
-    plan = segment_plan(layout, [0, 1, 2, 3], [s + 1 for s in lens], 16)
-    need = plan.earlier.query_index.numel()
-    assert need == 4 + 2  # a row per cached document of each request, none for the plain one
-    assert decode_graph.fits(runner, ["a", "b", "c"], 1)  # capacity 32 for one request
+    runner = SimpleNamespace(minipic_host_prompts=prompts, req_states=SimpleNamespace(
+        req_id_to_index={"a": 0, "b": 1, "c": 2, "d": 3}))
+    layout = marker_layout(markers[:3], max(-(-s // 16) + 1 for s in lens), 16)
+    plan = segment_plan(layout, [0, 1, 2, 3], [s + 1 for s in lens[:3]], 16)
+    assert plan.earlier.query_index.numel() == 4 + 2  # a row per cached document
+    takes = decode_graph.takes_full_graph
+    assert takes(runner, ["a", "b", "c"], 1)  # 6 <= 32, the capacity of one request
     monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 2)
-    assert not decode_graph.fits(runner, ["a", "b", "c"], 2)  # 6 > 4
-    assert decode_graph.fits(runner, ["a", "b", "c"], 3)  # 6 <= 6
+    assert not takes(runner, ["a", "b", "c"], 2)  # 6 > 4
+    assert takes(runner, ["a", "b", "c"], 3)  # 6 <= 6
+    assert not takes(runner, ["c", "d"], 3)  # no spans: stock's attention, piecewise
+    assert not takes(runner, ["a", "x"], 3)  # a request the runner does not hold
