@@ -362,47 +362,55 @@ _executing: tuple | None = None
 
 
 def _patch_full_decode_graphs(model_runner) -> None:
-    """MRV2 full decode graphs (attention.decode_graph): note which steps replay one, and
+    """MRV2 full decode graphs (attention.decode_dispatch): note which steps replay one, and
     send a decode batch without spans (stock attention) or whose span rows exceed its
     graph's capacity (no room for them) to the piecewise graphs instead."""
-    from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu import cudagraph_utils
 
-    from minipic.attention import decode_graph
+    _wrap(model_runner.GPUModelRunner, "execute_model", _full_graph_execute_model)
+    _wrap(cudagraph_utils.CudaGraphManager, "dispatch", _full_graph_dispatch)
 
-    def make_execute_model(original):
-        def execute_model(self, scheduler_output, *args, **kwargs):
-            global _executing
-            decode_graph.note_graph_step(None)
-            if not is_enabled(self.vllm_config):
-                return original(self, scheduler_output, *args, **kwargs)
-            dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
-            _executing = (self, scheduler_output, bool(dummy))
-            try:
-                return original(self, scheduler_output, *args, **kwargs)
-            finally:
-                _executing = None
-                decode_graph.note_graph_step(None)
-        return execute_model
 
-    def make_dispatch(original):
-        def dispatch(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
-            desc = original(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
-            if _executing is None or desc.cg_mode != CUDAGraphMode.FULL:
-                return desc
-            runner, scheduler_output, dummy = _executing
-            if dummy:  # no requests: every row of the graph is padding
-                decode_graph.note_graph_step(0)
-            elif decode_graph.takes_full_graph(runner, scheduler_output.num_scheduled_tokens,
-                                               desc.num_reqs):
-                decode_graph.note_graph_step(num_reqs)
-            else:  # as a batch of uneven queries: a piecewise graph
-                return original(self, num_reqs, num_tokens, None, *args, **kwargs)
+def _full_graph_execute_model(original):
+    """execute_model, with the step (runner, scheduler output, dummy run) kept for the
+    dispatch check while it runs."""
+    from minipic.attention import decode_dispatch
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        global _executing
+        decode_dispatch.note_graph_step(None)
+        if not is_enabled(self.vllm_config):
+            return original(self, scheduler_output, *args, **kwargs)
+        dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
+        _executing = (self, scheduler_output, bool(dummy))
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            _executing = None
+            decode_dispatch.note_graph_step(None)
+    return execute_model
+
+
+def _full_graph_dispatch(original):
+    """CudaGraphManager.dispatch, a full decode graph kept only for a step that takes it."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from minipic.attention import decode_dispatch
+
+    def dispatch(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
+        desc = original(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+        if _executing is None or desc.cg_mode != CUDAGraphMode.FULL:
             return desc
-        return dispatch
-
-    _wrap(model_runner.GPUModelRunner, "execute_model", make_execute_model)
-    _wrap(cudagraph_utils.CudaGraphManager, "dispatch", make_dispatch)
+        runner, scheduler_output, dummy = _executing
+        if dummy:  # no requests: every row of the graph is padding
+            decode_dispatch.note_graph_step(0)
+        elif decode_dispatch.takes_full_graph(
+                runner, scheduler_output.num_scheduled_tokens, desc.num_reqs):
+            decode_dispatch.note_graph_step(num_reqs)
+        else:  # as a batch of uneven queries: a piecewise graph
+            return original(self, num_reqs, num_tokens, None, *args, **kwargs)
+        return desc
+    return dispatch
 
 
 def _note_host_prompts(runner, scheduler_output) -> None:

@@ -26,8 +26,9 @@ vLLM 0.25's FlashAttention and Triton backends share the cache layout
 CUDA graphs: a batch's path (stock attention, the rows or the span kernel) is chosen
 per batch in eager code between piecewise graph pieces. Uniform decode steps on
 FlashAttention rows (FA3, Model Runner V2, no mask_markers) also replay full graphs
-(`AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`): every such step, plain or not, runs
-the rows path from buffers of a fixed capacity (decode_graph.py). Elsewhere
+(`AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`): such a step over span prompts runs
+the rows path from buffers of a fixed capacity (decode_graph.py); one without spans, or
+past the capacity, is sent to the piecewise graphs (decode_dispatch.py). Elsewhere
 `AttentionCGSupport.NEVER`: piecewise graphs, attention run eagerly between them.
 
 Registered as `AttentionBackendEnum.CUSTOM`; minipic's attention-selector patch
@@ -53,7 +54,8 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
-from minipic.attention.decode_graph import DecodeGraphRows, graph_step, note_block_size
+from minipic.attention.decode_dispatch import graph_step, note_block_size
+from minipic.attention.decode_graph import DecodeGraphRows
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
@@ -163,7 +165,7 @@ class SpanBatchBuilder:
 
     def _graph_build(self, metadata, m, real_reqs: int):
         """A step a full decode graph replays (or captures): its first real_reqs requests
-        are the batch, the rest padding; plain or not, the rows path (decode_graph.py)."""
+        are the batch, the rest padding, on the rows path (decode_graph.py)."""
         if real_reqs and m.max_query_len != 1:
             raise RuntimeError("minipic: a full decode graph step has one query per request")
         rope = current_rope()

@@ -9,12 +9,15 @@ the captured batch size B:
   * rows: B own rows (request i's in row i; a padding request's has no keys), then the
     plan's earlier rows, then empty rows up to the capacity;
   * row tokens: the B queries, then the earlier rows' tokens, then padding that no row
-    holds (the turn skips it: `counts`).
+    holds (the turn skips it: `rows_in_use`).
 FlashAttention skips empty rows, and the merge reads only the entries the plan gives.
 A batch without spans, and one needing more earlier row tokens than earlier_capacity(B),
-runs without the full graph: `takes_full_graph` is asked before vLLM picks the graph
-(minipic's dispatch patch), from each request's prompt alone (planned once per request).
-A plain batch here (a capture, a dummy run) is its own rows alone, turned by 0.
+runs without the full graph (decode_dispatch.py). A plain batch here (a capture, a dummy
+run) is its own rows alone, turned by 0.
+
+Memory: the row tables are int32 [max_reqs + earlier_capacity(max_reqs), max_model_len /
+block_size] per builder (17 MB at 256 requests and 8k tokens, 554 MB at 512 and 128k), made at
+the first capture, after vLLM sized the KV cache: they come out of its headroom.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from minipic.attention.host_copy import to_device
 from minipic.attention.rotation import Rotation
 from minipic.attention.segment_attention import SegmentBatch
-from minipic.attention.segment_plan import FlashRows, SegmentPlan, segment_plan
+from minipic.attention.segment_plan import FlashRows, SegmentPlan
 
 # Earlier row tokens a graph holds: this many per request, at most GRAPH_EARLIER_TOKENS_MAX
 # (the turned queries and FlashAttention's output are [tokens, heads, head_size] each).
@@ -55,7 +58,7 @@ class DecodeGraphRows:
         self.cu_seqlens_q, self.seqused_k = ints(rows + 1), ints(rows)
         self.table = ints(rows, table_width)
         self.query_index = ints(rows, dtype=torch.int64)
-        self.counts = ints(1)  # row tokens in use: the turn's programs past it stop
+        self.rows_in_use = ints(1)  # row tokens in use: the turn's programs past it stop
         self.merge_starts, self.merge_entries = ints(max_reqs + 1), ints(earlier_capacity(max_reqs))
         self.cos = torch.ones(rows, half, dtype=torch.float32, device=device)
         self.sin = torch.zeros(rows, half, dtype=torch.float32, device=device)
@@ -79,10 +82,10 @@ class DecodeGraphRows:
         """The host arrays to the buffers: one copy per dtype, then device copies."""
         device = self.table.device
         small = [host.cu_seqlens_q, host.seqused_k, host.merge_starts, host.merge_entries,
-                 host.turn, host.key_turn, host.counts]
+                 host.turn, host.key_turn, host.rows_in_use]
         moved = to_device(torch.from_numpy(np.concatenate(small)), device).split(
             [a.size for a in small])
-        cu, seqused, starts, entries, turn, key_turn, counts = moved
+        cu, seqused, starts, entries, turn, key_turn, rows_in_use = moved
         index = to_device(torch.from_numpy(np.concatenate(
             [host.query_index, host.row_request, host.row_blocks.reshape(-1)])), device)
         query_index, row_request, row_blocks = index.split(
@@ -92,7 +95,7 @@ class DecodeGraphRows:
         self.merge_starts[: starts.numel()].copy_(starts)
         self.merge_entries[: entries.numel()].copy_(entries)
         self.query_index[: query_index.numel()].copy_(query_index)
-        self.counts.copy_(counts)
+        self.rows_in_use.copy_(rows_in_use)
         rows, width = host.row_blocks.shape
         if rows and width:  # rows past them keep stale blocks: they read no keys
             self.table[:rows, :width].copy_(
@@ -118,7 +121,7 @@ class DecodeGraphRows:
         turn = Rotation(self.cos[:tokens], self.sin[:tokens], self.rotary_dim, self.is_neox_style)
         return SegmentBatch(plan, None, None, self.table[:tokens], self.query_index[:tokens],
                             turn, True, self.rotary_dim, self.is_neox_style,
-                            turn_count=self.counts)
+                            turn_count=self.rows_in_use)
 
 
 @dataclasses.dataclass
@@ -131,7 +134,7 @@ class _GraphRows:
     merge_entries: np.ndarray
     turn: np.ndarray
     key_turn: np.ndarray
-    counts: np.ndarray
+    rows_in_use: np.ndarray
     query_index: np.ndarray  # int64
     row_request: np.ndarray  # int64
     row_blocks: np.ndarray  # int64 [rows written, width]
@@ -179,8 +182,8 @@ def _graph_rows(num_reqs: int, plan: SegmentPlan | None, seq_lens: list[int],
     blocks = np.zeros((request.size, rows.row_blocks.shape[1]), dtype=np.int64)
     blocks[:n] = rows.row_blocks[:n].numpy()
     blocks[num_reqs:] = rows.row_blocks[n:].numpy()
-    counts = np.array([num_reqs + earlier_tokens], dtype=np.int32)
-    return _GraphRows(graph_cu, seqused, starts, entries, turn, key_turn, counts, index,
+    rows_in_use = np.array([num_reqs + earlier_tokens], dtype=np.int32)
+    return _GraphRows(graph_cu, seqused, starts, entries, turn, key_turn, rows_in_use, index,
                       request, blocks)
 
 
@@ -204,69 +207,3 @@ def _decode_rows(plan: SegmentPlan | None, seq_lens: list[int], table_width: int
                      row_request=torch.arange(n),
                      row_blocks=torch.arange(width).expand(n, width), max_seqlen_q=1,
                      max_seqlen_k=int(lens.max()) if n else 0)
-
-
-def decode_earlier_tokens(layout, position: int, block_size: int) -> int:
-    """Earlier row tokens a decode query at `position` needs (`layout`: its one prompt's,
-    over its block): its plan alone, as sharing merges rows, not tokens. The same at every
-    later position while generated tokens extend the last segment (see segment_plan)."""
-    plan = segment_plan(layout, [0, 1], [position + 1], block_size, link_shifts=True)
-    return 0 if plan.earlier is None else plan.earlier.query_index.numel()
-
-
-# The step the model runner runs (minipic's dispatch patch, _vllm_patches): None unless it
-# replays a full decode graph, else how many of its requests are real (0: a dummy run).
-_graph_step: int | None = None
-_block_size: int | None = None  # the span layout's, noted by the metadata builder
-
-
-def note_block_size(block_size: int) -> None:
-    global _block_size
-    _block_size = block_size
-
-
-def note_graph_step(real_reqs: int | None) -> None:
-    global _graph_step
-    _graph_step = real_reqs
-
-
-def graph_step() -> int | None:
-    return _graph_step
-
-
-def takes_full_graph(runner, req_ids, num_reqs: int) -> bool:
-    """Whether the decode batch of `req_ids` replays the full graph of num_reqs requests:
-    some request has spans, and the sum of their prompts' earlier row tokens fits the
-    graph's capacity (each prompt planned once). A batch without spans is stock's: vLLM's
-    FlashAttention between piecewise graphs (on plain prompts the rows graph measured 1.39x
-    stock's full graph, docs/benchmarks.md)."""
-    prompts = getattr(runner, "minipic_host_prompts", None)
-    block_size = _block_size
-    if prompts is None or block_size is None:
-        return False
-    index = runner.req_states.req_id_to_index
-    rows = [index.get(req_id) for req_id in req_ids]
-    if None in rows or not prompts.holds(np.asarray(rows)):
-        return False
-    needs = [prompts.derived(row, ("decode_graph_need", block_size),
-                             lambda prompt: _prompt_need(prompt, block_size))
-             for row in rows]
-    has_spans = any(not plain for _, plain in needs)
-    return has_spans and sum(need for need, _ in needs) <= earlier_capacity(num_reqs)
-
-
-def _prompt_need(prompt: np.ndarray, block_size: int) -> tuple[int, bool]:
-    """decode_earlier_tokens of one prompt, from its block first tokens (at its first
-    generated token and one block on, where a generated block would start a segment), and
-    whether its layout is plain (SpanLayout.is_plain)."""
-    from minipic.attention.span_layout import current_protocol, span_layout
-
-    blocks = -(-(prompt.size + 1) // block_size) + 1
-    firsts = np.full(blocks, -1, dtype=np.int64)
-    shown = prompt[::block_size]
-    firsts[: shown.size] = shown
-    layout = span_layout(torch.from_numpy(firsts[None]), current_protocol(), block_size,
-                         torch.tensor([prompt.size]))
-    need = max(decode_earlier_tokens(layout, position, block_size)
-               for position in (prompt.size, prompt.size + block_size))
-    return need, layout.is_plain()

@@ -144,7 +144,8 @@ def merge(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
     heads = own_lse.shape[0]
     peak = own_lse.float().clone()
     peak.scatter_reduce_(1, token[None].expand(heads, -1), earlier_lse.float(), "amax")
-    peak = peak.nan_to_num(neginf=0.0)  # a token without keys (graph padding) gets 0
+    # a token without keys (graph padding) gets 0
+    peak = torch.where(peak == float("-inf"), 0.0, peak)
     own_weight = torch.exp(own_lse.float() - peak)  # [heads, n]
     earlier_weight = torch.exp(earlier_lse.float() - peak[:, token])  # [heads, m]
     total = own_out.float() * own_weight.t()[..., None]

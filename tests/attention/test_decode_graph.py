@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from minipic.attention import decode_graph, span_layout
+from minipic.attention import decode_dispatch, decode_graph, span_layout
 from minipic.attention.decode_graph import DecodeGraphRows, earlier_capacity
 from minipic.attention.host_prompts import HostPrompts
 from minipic.attention.segment_attention import paged_flash_reference, segment_attention
@@ -96,7 +96,7 @@ def test_the_dispatch_check_counts_each_requests_need_and_skips_plain_batches(mo
     """The check before vLLM picks a full graph: each prompt's need alone, summed, against
     the plan of the batch; a batch without spans stays with stock's attention."""
     monkeypatch.setattr(span_layout, "_protocol", MARKERS)
-    monkeypatch.setattr(decode_graph, "_block_size", 16)
+    monkeypatch.setattr(decode_dispatch, "_block_size", 16)
     markers = [epic_markers(4, 3, 1, 2), epic_markers(2, 5, 1, 3), "---P", "----"]
     prompts, lens = HostPrompts(MARKERS), [16 * len(m) - 3 for m in markers]
     for row, (m, size) in enumerate(zip(markers, lens)):
@@ -108,10 +108,61 @@ def test_the_dispatch_check_counts_each_requests_need_and_skips_plain_batches(mo
     layout = marker_layout(markers[:3], max(-(-s // 16) + 1 for s in lens), 16)
     plan = segment_plan(layout, [0, 1, 2, 3], [s + 1 for s in lens[:3]], 16)
     assert plan.earlier.query_index.numel() == 4 + 2  # a row per cached document
-    takes = decode_graph.takes_full_graph
-    assert takes(runner, ["a", "b", "c"], 1)  # 6 <= 32, the capacity of one request
+    takes = decode_dispatch.takes_full_graph
+    assert takes(runner, ["a", "b", "c"], 4)  # 6 <= 4 * 32
+    monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
+    assert not takes(runner, ["a", "b", "c"], 4)  # 6 > 4
     monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 2)
-    assert not takes(runner, ["a", "b", "c"], 2)  # 6 > 4
     assert takes(runner, ["a", "b", "c"], 3)  # 6 <= 6
     assert not takes(runner, ["c", "d"], 3)  # no spans: stock's attention, piecewise
     assert not takes(runner, ["a", "x"], 3)  # a request the runner does not hold
+
+
+def test_the_dispatch_patch_picks_the_full_graph_only_for_span_batches_that_fit(monkeypatch):
+    """minipic's wrappers of execute_model and of vLLM's own CudaGraphManager.dispatch: a
+    span batch that fits keeps the full decode graph and is noted for the builder, one past
+    the capacity or without spans gets the piecewise graph, a dummy run the full graph with
+    every request padding; the note is cleared after the step."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    from minipic import _vllm_patches
+
+    monkeypatch.setattr(span_layout, "_protocol", MARKERS)
+    monkeypatch.setattr(decode_dispatch, "_block_size", 16)
+    monkeypatch.setattr(_vllm_patches, "is_enabled", lambda config: True)
+    prompts = HostPrompts(MARKERS)
+    for row, m in enumerate([epic_markers(4, 3, 1, 2), "---P"]):
+        tokens = np.full(16 * len(m) - 3, 7, dtype=np.int64)
+        tokens[::16] = [MARKER_TOKENS[c] for c in m]
+        prompts.add(row, tokens)
+    desc = cudagraph_utils.BatchExecutionDescriptor
+    full = desc(CUDAGraphMode.FULL, num_tokens=2, num_reqs=2, uniform_token_count=1)
+    piecewise = desc(CUDAGraphMode.PIECEWISE, num_tokens=2, num_reqs=None)
+    manager = object.__new__(cudagraph_utils.CudaGraphManager)
+    manager._graphs_captured, manager._candidates = True, {(2, 0): [full, piecewise]}
+    manager._lora_dispatch_map, manager._max_lora_case = {}, 0
+    stock_dispatch = getattr(cudagraph_utils.CudaGraphManager.dispatch, "__minipic_original__",
+                             cudagraph_utils.CudaGraphManager.dispatch)
+    dispatch = _vllm_patches._full_graph_dispatch(stock_dispatch)
+    seen = []
+
+    def stock_execute(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+        picked = dispatch(manager, 2, 2, 1, num_active_loras=0)
+        seen.append((picked.cg_mode, decode_dispatch.graph_step()))
+
+    execute = _vllm_patches._full_graph_execute_model(stock_execute)
+    runner = SimpleNamespace(vllm_config=None, minipic_host_prompts=prompts,
+                             req_states=SimpleNamespace(req_id_to_index={"s": 0, "p": 1}))
+
+    def step(req_ids, **kwargs):
+        execute(runner, SimpleNamespace(num_scheduled_tokens=dict.fromkeys(req_ids, 1)),
+                **kwargs)
+        assert decode_dispatch.graph_step() is None  # cleared after the step
+        return seen[-1]
+
+    assert step(["s", "p"]) == (CUDAGraphMode.FULL, 2)
+    assert step(["p"]) == (CUDAGraphMode.PIECEWISE, None)  # no spans
+    assert step(["s", "p"], dummy_run=True) == (CUDAGraphMode.FULL, 0)
+    monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
+    assert step(["s", "p"]) == (CUDAGraphMode.PIECEWISE, None)  # 4 > 2: past the capacity
