@@ -24,6 +24,11 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |   .__init__, .prepare_inputs, .add_requests and  |             | batch's rows of that table and a host |
 |   ._remove_request                               |             | copy of each running prompt           |
 |                                                  |             | (host_prompts.py)                     |
+| v1.worker.gpu.model_runner.GPUModelRunner        | worker      | full decode graphs: keep the step for |
+|   .execute_model, and v1.worker.gpu              |             | the dispatch check, which sends decode|
+|   .cudagraph_utils.CudaGraphManager.dispatch     |             | batches without spans or past the     |
+|                                                  |             | graph's capacity to piecewise graphs  |
+|                                                  |             | (attention/decode_dispatch.py)        |
 | v1.core.sched.scheduler.Scheduler.schedule       | engine core | tag new requests with whether they    |
 |   (AsyncScheduler's too: it inherits it)         |             | carry a cache_salt (never shared)     |
 | v1.engine.input_processor.InputProcessor         | front end   | refuse a prompt whose SSep/PDep/link  |
@@ -79,6 +84,11 @@ versions, worker process unless said otherwise):
 | FlashAttentionImpl .vllm_flash_attn_version, .scale;| attention/          | span batches as          |
 |   backends.flash_attn.flash_attn_varlen_func      |   cuda_backend.py     | FlashAttention rows      |
 |   (return_softmax_lse, block_table, out)          |                       |                          |
+| AttentionCGSupport, builder                       | attention/            | full decode graphs       |
+|   .build_for_cudagraph_capture; vllm_config       |   cuda_backend.py     | (decode_graph.py)        |
+|   .use_v2_model_runner, compilation_config        |                       |                          |
+|   .max_cudagraph_capture_size; BatchExecution-    | _vllm_patches.py      |                          |
+|   Descriptor .cg_mode, .num_reqs                  |                       |                          |
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class DecodeGraphRows:
 
     def __init__(self, max_reqs: int, table_width: int, max_seqlen_k: int, rotary_dim: int,
                  is_neox_style: bool, device: torch.device) -> None:
-        self.max_reqs, self.max_seqlen_k = max_reqs, max_seqlen_k
+        self.max_seqlen_k = max_seqlen_k
         self.rotary_dim, self.is_neox_style = rotary_dim, is_neox_style
         rows = max_reqs + earlier_capacity(max_reqs)  # rows <= row tokens
         half = rotary_dim // 2
@@ -191,14 +191,13 @@ def _decode_rows(plan: SegmentPlan | None, seq_lens: list[int], table_width: int
                  block_size: int) -> FlashRows:
     """The batch's rows as one call: the plan's joint (own) rows; a plain batch's own rows
     (each request's blocks in order, turned by 0). Requests run one query each."""
+    n = len(seq_lens)
     if plan is not None:
         rows = plan.joint if plan.earlier is not None else plan.own
-        n = len(seq_lens)
         if rows is None or rows.cu_seqlens_q.numel() < n + 1 \
                 or rows.cu_seqlens_q[n].item() != n:
             raise ValueError("a decode graph's batch runs one query per request")
         return rows
-    n = len(seq_lens)
     lens = np.asarray(seq_lens, dtype=np.int64)
     width = min(table_width, -(-int(lens.max()) // block_size) if n else 0)
     return FlashRows(query_index=torch.arange(n), query_turn=torch.zeros(n, dtype=torch.int32),
