@@ -41,6 +41,17 @@ def graph_attention(case, plan, num_reqs):
     return out, batch
 
 
+def marker_prompts(markers: list[str]) -> HostPrompts:
+    """Host prompts whose blocks start as `markers` says (make_case), 3 tokens short of
+    their last block's end."""
+    prompts = HostPrompts(MARKERS)
+    for row, m in enumerate(markers):
+        tokens = np.full(16 * len(m) - 3, 7, dtype=np.int64)
+        tokens[::16] = [MARKER_TOKENS[c] for c in m]
+        prompts.add(row, tokens)
+    return prompts
+
+
 def decode_plan(case):
     return segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
 
@@ -98,11 +109,7 @@ def test_the_dispatch_check_counts_each_requests_need_and_skips_plain_batches(mo
     monkeypatch.setattr(span_layout, "_protocol", MARKERS)
     monkeypatch.setattr(decode_dispatch, "_block_size", 16)
     markers = [epic_markers(4, 3, 1, 2), epic_markers(2, 5, 1, 3), "---P", "----"]
-    prompts, lens = HostPrompts(MARKERS), [16 * len(m) - 3 for m in markers]
-    for row, (m, size) in enumerate(zip(markers, lens)):
-        tokens = np.full(size, 7, dtype=np.int64)
-        tokens[::16] = [MARKER_TOKENS[c] for c in m]
-        prompts.add(row, tokens)
+    prompts, lens = marker_prompts(markers), [16 * len(m) - 3 for m in markers]
     runner = SimpleNamespace(minipic_host_prompts=prompts, req_states=SimpleNamespace(
         req_id_to_index={"a": 0, "b": 1, "c": 2, "d": 3}))
     layout = marker_layout(markers[:3], max(-(-s // 16) + 1 for s in lens), 16)
@@ -131,11 +138,7 @@ def test_the_dispatch_patch_picks_the_full_graph_only_for_span_batches_that_fit(
     monkeypatch.setattr(span_layout, "_protocol", MARKERS)
     monkeypatch.setattr(decode_dispatch, "_block_size", 16)
     monkeypatch.setattr(_vllm_patches, "is_enabled", lambda config: True)
-    prompts = HostPrompts(MARKERS)
-    for row, m in enumerate([epic_markers(4, 3, 1, 2), "---P"]):
-        tokens = np.full(16 * len(m) - 3, 7, dtype=np.int64)
-        tokens[::16] = [MARKER_TOKENS[c] for c in m]
-        prompts.add(row, tokens)
+    prompts = marker_prompts([epic_markers(4, 3, 1, 2), "---P"])
     desc = cudagraph_utils.BatchExecutionDescriptor
     full = desc(CUDAGraphMode.FULL, num_tokens=2, num_reqs=2, uniform_token_count=1)
     piecewise = desc(CUDAGraphMode.PIECEWISE, num_tokens=2, num_reqs=None)
