@@ -19,7 +19,9 @@ round, then --rounds rounds of --batch requests with fresh questions, each decod
 mixed in). Reported: the median step time over all counted steps, per engine and mode
 (eager, or compiled with CUDA graphs), and minipic / stock side by side. --profile-dir
 traces a few decode steps of one more round per engine, after its prefills
-(tools/trace_summary.py summarises it).
+(tools/trace_summary.py summarises it); --host-profile DIR profiles the host side of such
+steps with cProfile instead (engine core in this process: its step times are not the
+benchmark's), one pstats text per engine and mode.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from minipic.devtools.bench_setup import make_model, random_words  # noqa: E402
 # minipic_plain: minipic on, stock's plain prompts (what minipic costs a user without markers)
 ENGINES = ("stock", "minipic", "minipic_plain")
 PROFILED_STEPS = 6
+HOST_PROFILED_STEPS = 32
 
 
 def prompts(args, markers: dict, block_size: int) -> dict:
@@ -76,6 +79,10 @@ def prompts(args, markers: dict, block_size: int) -> dict:
 
 def engine_child(spec: dict) -> dict:
     """In this process: one engine, its decode steps timed."""
+    import os
+
+    if spec.get("host_profile"):  # cProfile sees the engine core and worker in-process only
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -99,12 +106,19 @@ def engine_child(spec: dict) -> dict:
     params = SamplingParams(max_tokens=spec["steps"] + 1, temperature=0.0, ignore_eos=True)
     steps, cached, context = [], [], len(rounds[0][0])
     for index, tasks in enumerate(rounds):
+        if index == 1:
+            began, cpu_began = time.perf_counter(), cpu_seconds()
         times, hits = decode_round(llm, tasks, params, f"r{index}")
         if index:  # round 0 warms up
             steps += times
             cached += hits
+    wall = time.perf_counter() - began
+    cpu_share = [round((now - then) / wall, 3) for now, then in zip(cpu_seconds(), cpu_began)]
     if spec.get("profile_dir"):  # the warm-up's questions again (prefix hits)
         profile_decode(llm, rounds[0], f"{spec['name']}-{spec['mode']}")
+    if spec.get("host_profile"):
+        host_profile_decode(llm, rounds[0], Path(spec["host_profile"])
+                            / f"{spec['name']}-{spec['mode']}.txt")
     llm.llm_engine.engine_core.shutdown()
     import torch
     import vllm
@@ -115,7 +129,23 @@ def engine_child(spec: dict) -> dict:
             "context_tokens": context, "counted_steps": len(steps),
             "median_step_ms": statistics.median(steps) * 1e3,
             "p90_step_ms": sorted(steps)[int(0.9 * len(steps))] * 1e3,
-            "cached_fraction": sum(cached) / (len(cached) * context)}
+            "cached_fraction": sum(cached) / (len(cached) * context),
+            # CPU seconds per second of the counted rounds: near 1 for a process that is
+            # never idle (a host-bound engine core)
+            "cpu_share_front_end": cpu_share[0], "cpu_share_engine_core": cpu_share[1]}
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by this process (the front end) and by its
+    children (the engine core; this process when it runs in-process)."""
+    import psutil
+
+    def used(process) -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+
+    me = psutil.Process()
+    return used(me), sum(used(child) for child in me.children(recursive=True))
 
 
 def decode_round(llm, tasks: list[list[int]], params, tag: str) -> tuple[list[float], list[int]]:
@@ -144,20 +174,45 @@ def decode_round(llm, tasks: list[list[int]], params, tag: str) -> tuple[list[fl
 def profile_decode(llm, tasks: list[list[int]], prefix: str) -> None:
     """Trace PROFILED_STEPS steps in which every request decodes: the prefills run first,
     untraced, so the trace holds decode steps only."""
+    decode_steps(llm, tasks, "prof", lambda: llm.start_profile(profile_prefix=prefix),
+                 llm.stop_profile, PROFILED_STEPS)
+
+
+def host_profile_decode(llm, tasks: list[list[int]], path: Path) -> None:
+    """cProfile of HOST_PROFILED_STEPS decode steps (engine core in-process): where the
+    host's time goes, by function, to `path` (tottime, then cumulative)."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    decode_steps(llm, tasks, "host", profile.enable, profile.disable, HOST_PROFILED_STEPS)
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    text.write(f"{HOST_PROFILED_STEPS} decode steps of {len(tasks)} requests\n")
+    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats(80)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+
+
+def decode_steps(llm, tasks: list[list[int]], tag: str, start, stop, steps: int) -> None:
+    """`tasks` run to their end; start() and stop() around `steps` steps in which every
+    request decodes (their prefills before)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=PROFILED_STEPS + 64, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(tasks):
-        engine.add_request(f"prof-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+        engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
     decoded: set[str] = set()
     while len(decoded) < len(tasks):  # until every request has its first token
         decoded |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    llm.start_profile(profile_prefix=prefix)
-    for _ in range(PROFILED_STEPS):
+    start()
+    for _ in range(steps):
         engine.step()
-    llm.stop_profile()
+    stop()
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -194,6 +249,9 @@ def main() -> None:
                              "(torch profiler; its prefills untraced)")
     parser.add_argument("--profile-stack", action="store_true",
                         help="the traces record Python stacks (where host time goes; slower)")
+    parser.add_argument("--host-profile", type=Path,
+                        help="also cProfile the host side of some decode steps of one more "
+                             "round per engine (engine core in-process), into this folder")
     parser.add_argument("--engines", default="stock,minipic",
                         help="of stock,minipic,minipic_plain (minipic on, plain prompts); "
                              "ratios to stock for those run with it")
@@ -219,7 +277,8 @@ def main() -> None:
             spec = dict(name=name, mode=mode, model=model, engine=engine, markers=markers,
                         prompts=str(work / "prompts.json"), batch=args.batch, steps=args.steps,
                         profile_dir=args.profile_dir and str(args.profile_dir),
-                        profile_stack=args.profile_stack)
+                        profile_stack=args.profile_stack,
+                        host_profile=args.host_profile and str(args.host_profile))
             rows.append(run_child(spec, work))
             print(json.dumps(rows[-1]), flush=True)
             save(args, rows)  # a run cut at its time limit keeps what finished

@@ -51,6 +51,9 @@ class SegmentBatch:
     # A full graph's batch (decode_graph.py): [1] on the device, how many of the turn's
     # rows are in use (the rest are capacity); None: all are.
     turn_count: torch.Tensor | None = None
+    # The turn's and the merge's launches, bound once for every layer (CUDA:
+    # segment_kernels.RepeatedLaunch)
+    launches: dict = dataclasses.field(default_factory=dict)
 
 
 def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Tensor,
@@ -109,7 +112,7 @@ def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         from minipic.attention.segment_kernels import merge_rows
 
         return merge_rows(output, own_out, own_lse, earlier_out, earlier_lse,
-                          plan.merge_starts, plan.merge_entries)
+                          plan.merge_starts, plan.merge_entries, batch.launches)
     return merge(output, own_out, own_lse, earlier_out, earlier_lse, plan.earlier.query_index)
 
 
@@ -127,12 +130,12 @@ def _turned(query: torch.Tensor, batch: SegmentBatch, new_keys: NewKeys | None
     if batch.turn is None:
         turned_keys = None if keys is None else turn_rows(
             keys, None, new_keys.turn.cos, new_keys.turn.sin, new_keys.turn.rotary_dim,
-            new_keys.turn.is_neox_style)
+            new_keys.turn.is_neox_style, batch.launches)
         return None, turned_keys
     key_turn = () if keys is None else (keys, new_keys.turn.cos, new_keys.turn.sin)
     return turn_rows_and_keys(query, batch.turn_index, batch.turn.cos, batch.turn.sin,
                               batch.rotary_dim, batch.is_neox_style, *key_turn,
-                              row_count=batch.turn_count)
+                              row_count=batch.turn_count, launches=batch.launches)
 
 
 def merge(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,

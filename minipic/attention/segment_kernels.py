@@ -7,7 +7,9 @@ batch), and `merge_rows` (each query token's rows merged by their log-sum-exp). 
 same launch turns the batch's new keys into their frames for the cache write
 (`turn_rows_and_keys`: launches, not memory, set these kernels' time). In torch
 the turns and the merge take some thirty small launches a layer, which cost more
-than the attention itself on a short task after a hit.
+than the attention itself on a short task after a hit. Every layer of a batch launches
+them on the same tables: the first layer's launch is bound by Triton, the others reuse
+it (`RepeatedLaunch`), as Triton's binding is most of a launch's host time.
 """
 
 from __future__ import annotations
@@ -87,51 +89,60 @@ def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
 
 
 def turn_rows(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor,
-              sin: torch.Tensor, rotary_dim: int, is_neox_style: bool) -> torch.Tensor:
+              sin: torch.Tensor, rotary_dim: int, is_neox_style: bool,
+              launches: dict | None = None) -> torch.Tensor:
     """[rows, heads, head_size]: query[index[i]] turned by (cos[i], sin[i]) (a
     rotation.Rotation's tables), in the query's dtype; index None: query[i], for the
     first cos.shape[0] tokens (the K turn before the cache write)."""
-    return turn_rows_and_keys(query, index, cos, sin, rotary_dim, is_neox_style)[0]
+    return turn_rows_and_keys(query, index, cos, sin, rotary_dim, is_neox_style,
+                              launches=launches)[0]
 
 
 def turn_rows_and_keys(query: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor,
                        sin: torch.Tensor, rotary_dim: int, is_neox_style: bool,
                        key: torch.Tensor | None = None, key_cos: torch.Tensor | None = None,
-                       key_sin: torch.Tensor | None = None, row_count: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       key_sin: torch.Tensor | None = None, row_count: torch.Tensor | None = None,
+                       launches: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """turn_rows' rows and, in the same launch, `key`'s first key_cos.shape[0] tokens
     [tokens, kv_heads, head_size] turned by (key_cos[i], key_sin[i]) (None without `key`).
     `row_count` [1] on the device: only the first row_count[0] rows are turned (the rest
-    of `out` is left as it is)."""
+    of `out` is left as it is). `launches`: a batch's RepeatedLaunch cache (every layer
+    turns the same rows)."""
     rows, (_, heads, head_size) = cos.shape[0], query.shape
-    assert query.stride(-1) == 1, "the kernel reads each head's dims as one run"
     out = torch.empty(rows, heads, head_size, dtype=query.dtype, device=query.device)
-    has_keys = key is not None
-    keys = key_cos.shape[0] if has_keys else 0
-    key_out = torch.empty(keys, *key.shape[1:], dtype=key.dtype, device=key.device) \
-        if has_keys else None
+    keys = 0 if key is None else key_cos.shape[0]
+    key_out = None if key is None else torch.empty(keys, *key.shape[1:], dtype=key.dtype,
+                                                   device=key.device)
     if rows + keys == 0:
         return out, key_out
-    half = rotary_dim // 2
-    cos, sin = cos.contiguous(), sin.contiguous()
-    if has_keys:
-        assert key.stride(-1) == 1
-        key_cos, key_sin, key_out_arg = key_cos.contiguous(), key_sin.contiguous(), key_out
-    else:  # the kernel never reads the key pointers: the query's stand in for them
-        key, key_cos, key_sin, key_out_arg = query, cos, sin, out
-    # Without an index the kernel never reads index_ptr: any pointer stands in for it.
-    _turn_rows_kernel[(rows + keys,)](
-        query, cos if index is None else index, cos, sin, out, query.stride(0),
-        query.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        key, key_cos, key_sin, key_out_arg, key.stride(0), key.stride(1),
-        key_out_arg.stride(0), key_out_arg.stride(1), key_cos.stride(0), rows,
-        cos if row_count is None else row_count,  # without a count: never read
-        HEADS=heads, HEADS_PADDED=triton.next_power_of_2(heads), K_HEADS=key.shape[1],
-        K_HEADS_PADDED=triton.next_power_of_2(key.shape[1]), HEAD_SIZE=head_size,
-        ROT_HALF=half, HALF_PADDED=triton.next_power_of_2(half),
-        PASS_PADDED=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
-        IS_NEOX=is_neox_style, HAS_INDEX=index is not None, HAS_KEYS=keys > 0,
-        HAS_COUNT=row_count is not None)
+
+    def bind(query, key, out, key_out):
+        assert query.stride(-1) == 1, "the kernel reads each head's dims as one run"
+        half = rotary_dim // 2
+        t_cos, t_sin = cos.contiguous(), sin.contiguous()
+        if key is not None:
+            assert key.stride(-1) == 1
+            k, k_cos, k_sin, k_out = key, key_cos.contiguous(), key_sin.contiguous(), key_out
+        else:  # the kernel never reads the key pointers: the query's stand in for them
+            k, k_cos, k_sin, k_out = query, t_cos, t_sin, out
+        # Without an index (or a count) the kernel never reads its pointer: any stands in.
+        args = (query, t_cos if index is None else index, t_cos, t_sin, out, query.stride(0),
+                query.stride(1), out.stride(0), out.stride(1), t_cos.stride(0),
+                k, k_cos, k_sin, k_out, k.stride(0), k.stride(1), k_out.stride(0),
+                k_out.stride(1), k_cos.stride(0), rows,
+                t_cos if row_count is None else row_count)
+        constexprs = dict(
+            HEADS=heads, HEADS_PADDED=triton.next_power_of_2(heads), K_HEADS=k.shape[1],
+            K_HEADS_PADDED=triton.next_power_of_2(k.shape[1]), HEAD_SIZE=head_size,
+            ROT_HALF=half, HALF_PADDED=triton.next_power_of_2(half),
+            PASS_PADDED=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
+            IS_NEOX=is_neox_style, HAS_INDEX=index is not None, HAS_KEYS=keys > 0,
+            HAS_COUNT=row_count is not None)
+        return args, constexprs
+
+    launch(_turn_rows_kernel, (rows + keys,), bind, (query, key, out, key_out),
+           (index, cos, sin, key_cos, key_sin, row_count, rotary_dim, is_neox_style), launches,
+           "turn")
     return out, key_out
 
 
@@ -187,16 +198,83 @@ def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, start
 
 def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
                earlier_out: torch.Tensor, earlier_lse: torch.Tensor, starts: torch.Tensor,
-               entries: torch.Tensor) -> torch.Tensor:
+               entries: torch.Tensor, launches: dict | None = None) -> torch.Tensor:
     """output [n, heads, d]: each token's own row merged with its earlier rows
-    entries[starts[t]:starts[t + 1]] (segment_plan.SegmentPlan.merge_starts), by LSE."""
-    n, heads, head_size = output.shape
-    own_lse, earlier_lse = own_lse.float(), earlier_lse.float()
-    assert own_lse.stride(1) == 1 and earlier_lse.stride(1) == 1
-    _merge_rows_kernel[(n,)](
-        own_out, own_lse, earlier_out, earlier_lse, starts, entries, output,
-        own_out.stride(0), own_out.stride(1), own_lse.stride(0), earlier_out.stride(0),
-        earlier_out.stride(1), earlier_lse.stride(0), output.stride(0), output.stride(1),
-        HEADS=heads, HEADS_PADDED=triton.next_power_of_2(heads), HEAD_SIZE=head_size,
-        HEAD_PADDED=triton.next_power_of_2(head_size))
+    entries[starts[t]:starts[t + 1]] (segment_plan.SegmentPlan.merge_starts), by LSE.
+    `launches`: as for turn_rows_and_keys."""
+    if own_lse.dtype != torch.float32:  # FlashAttention's LSE is fp32 already
+        own_lse, earlier_lse = own_lse.float(), earlier_lse.float()
+
+    def bind(output, own_out, own_lse, earlier_out, earlier_lse):
+        n, heads, head_size = output.shape
+        assert own_lse.stride(1) == 1 and earlier_lse.stride(1) == 1
+        args = (own_out, own_lse, earlier_out, earlier_lse, starts, entries, output,
+                own_out.stride(0), own_out.stride(1), own_lse.stride(0), earlier_out.stride(0),
+                earlier_out.stride(1), earlier_lse.stride(0), output.stride(0),
+                output.stride(1))
+        return args, dict(HEADS=heads, HEADS_PADDED=triton.next_power_of_2(heads),
+                          HEAD_SIZE=head_size, HEAD_PADDED=triton.next_power_of_2(head_size))
+
+    launch(_merge_rows_kernel, (output.shape[0],), bind,
+           (output, own_out, own_lse, earlier_out, earlier_lse), (starts, entries), launches,
+           "merge")
     return output
+
+
+def launch(kernel, grid: tuple, bind, tensors: tuple, fixed: tuple, launches: dict | None,
+           name: str) -> None:
+    """kernel[grid] on bind(*tensors) = (args, constexprs), where bind reads nothing but
+    `tensors` and `fixed`; with a `launches` cache, through the RepeatedLaunch kept there
+    under `name`."""
+    if launches is None:
+        args, constexprs = bind(*tensors)
+        kernel[grid](*args, **constexprs)
+        return
+    repeated = launches.get(name)
+    if repeated is None:
+        repeated = launches[name] = RepeatedLaunch(kernel)
+    repeated(grid, bind, tensors, fixed)
+
+
+class RepeatedLaunch:
+    """One Triton kernel launched again and again on the same arguments but for some
+    tensors: a span batch's turn and merge, once a layer.
+
+    Triton binds and specializes every argument at every launch, which is most of the
+    host time of these launch-bound kernels (tens of microseconds a layer, eager decode's
+    bottleneck). Here a launch goes through Triton unless the last one Triton bound had
+    the same grid, the same `fixed` objects (tensors by identity: the bound arguments
+    hold them, so their ids stay theirs) and `tensors` alike in all that Triton
+    specializes on (dtype, 16-byte alignment) and the other arguments are computed from
+    (shape, strides); then it reuses that launch's compiled kernel and arguments, the new
+    tensors in place."""
+
+    def __init__(self, kernel) -> None:
+        self._kernel = kernel
+        self._compiled = None  # None also under the Triton interpreter (no compiled kernel)
+        self.binds = 0  # launches that went through Triton
+        self._key = None
+        self._fixed: tuple = ()  # held, so that no other object takes their ids
+        self._args: list = []
+        self._slots: list[list[int]] = []  # where each tensor stands in _args
+
+    def __call__(self, grid: tuple, bind, tensors: tuple, fixed: tuple) -> None:
+        key = (grid, *(id(f) if isinstance(f, torch.Tensor) else f for f in fixed),
+               *(None if t is None else (t.dtype, t.data_ptr() % 16, t.shape, t.stride())
+                 for t in tensors))
+        if self._compiled is None or key != self._key:
+            args, constexprs = bind(*tensors)
+            self._compiled = self._kernel[grid](*args, **constexprs)
+            self.binds += 1
+            self._key, self._fixed = key, fixed
+            # the compiled kernel's launcher takes every parameter in order, constexprs too
+            self._args = [*args, *(constexprs[name]
+                                   for name in self._kernel.arg_names[len(args):])]
+            self._slots = [[i for i, a in enumerate(args) if t is not None and a is t]
+                           for t in tensors]
+            return
+        args = self._args
+        for slots, t in zip(self._slots, tensors):
+            for slot in slots:
+                args[slot] = t
+        self._compiled[grid](*args)

@@ -40,11 +40,16 @@ def run_rows(case):
     plan = segment_plan(case.layout.to("cpu"), case.cu_seqlens_q.tolist(),
                         case.seq_lens.tolist(), case.block_size)
     batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    flash = functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3)
     out = torch.full_like(case.q, float("nan"))
-    segment_attention(case.q, case.k_cache, case.v_cache, out, batch,
-                      functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3))
+    segment_attention(case.q, case.k_cache, case.v_cache, out, batch, flash)
+    # The batch's next layer: other query tensors, the launches bound by the first reused
+    again = torch.full_like(case.q, float("nan"))
+    segment_attention(case.q.clone(), case.k_cache, case.v_cache, again, batch, flash)
     torch.cuda.synchronize()
-    return out
+    assert batch.launches and all(launch.binds == 1 for launch in batch.launches.values())
+    assert torch.equal(again, out)
+    return again
 
 
 def run_kernel(case):
@@ -124,20 +129,22 @@ def test_new_keys_turned_with_the_queries_reach_the_cache_first(name):
     model_k = Rotation.at(turn, case.cos_sin, case.rotary_dim, case.is_neox,
                           pure=True).apply(case.k_cache[slots]).to(case.k_cache.dtype)
     expected = run_rows(case)  # the cache as it is
-    case.k_cache[slots] = float("nan")
 
     def write(turned):
         case.k_cache[slots] = turned
 
     plan = segment_plan(case.layout.to("cpu"), qsl, seq_lens, case.block_size)
     batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
-    out = torch.full_like(case.q, float("nan"))
     back = Rotation.back(turn, case.cos_sin, case.rotary_dim, case.is_neox)
-    segment_attention(case.q, case.k_cache, case.v_cache, out, batch,
-                      functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3),
-                      NewKeys(model_k, back, write))
-    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
-    assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+    flash = functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3)
+    for layer_k in (model_k, model_k.clone()):  # the second reuses the first's launches
+        case.k_cache[slots] = float("nan")
+        out = torch.full_like(case.q, float("nan"))
+        segment_attention(case.q.clone(), case.k_cache, case.v_cache, out, batch, flash,
+                          NewKeys(layer_k, back, write))
+        assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+        assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+    assert all(launch.binds == 1 for launch in batch.launches.values())
 
 
 @pytest.mark.parametrize("query_lens", [(1, 1, 1), (20, 1, 20)], ids=["decode", "prefill"])

@@ -1,0 +1,85 @@
+"""segment_kernels.RepeatedLaunch: a launch reuses the last bound one only when Triton would
+bind it the same way. Its compiled-kernel path runs on CUDA only (the interpreter compiles
+nothing: tests/gpu/test_segment_attention_gpu.py runs it there); here a recording kernel
+stands for Triton's, to check when it binds again and where the new tensors go."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minipic.attention.segment_kernels import RepeatedLaunch
+
+
+class RecordingKernel:
+    """kernel[grid](*args, **constexprs) binds (counted) and returns a compiled kernel;
+    every launch is recorded as (grid, all parameters in order)."""
+
+    arg_names = ["x", "y", "table", "x_stride", "BLOCK"]
+
+    def __init__(self) -> None:
+        self.binds = 0
+        self.launches: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def bound(*args, **constexprs):
+            self.binds += 1
+            self.launches.append((grid, (*args, *constexprs.values())))
+            return Compiled(self)
+        return bound
+
+
+class Compiled:
+    def __init__(self, kernel: RecordingKernel) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args: self.kernel.launches.append((grid, args))
+
+
+def bind(x, y):
+    """x twice (as x and as a stand-in for y when y is None), as the turn's keys do."""
+    return (x, x if y is None else y, TABLE, x.stride(0)), {"BLOCK": 16}
+
+
+TABLE = torch.arange(4)
+
+
+def run(launch: RepeatedLaunch, x, y=None, table=TABLE, grid=(4,)):
+    launch(grid, bind, (x, y), (table, 7))
+
+
+def test_same_shaped_tensors_reuse_the_binding_in_every_place_they_stand():
+    kernel = RecordingKernel()
+    launch = RepeatedLaunch(kernel)
+    first, second = torch.zeros(4, 8), torch.ones(4, 8)
+    run(launch, first)
+    run(launch, second)
+    assert kernel.binds == 1
+    grid, params = kernel.launches[-1]
+    assert grid == (4,) and params[0] is second and params[1] is second
+    assert params[2] is TABLE and params[3:] == (8, 16)  # strides, then constexprs
+
+
+VARIANTS = {  # name: (the second launch's arguments, whether it binds again)
+    "aligned_view": (dict(x=torch.zeros(4 * 8 + 4)[4:].view(4, 8)), False),
+    "strides": (dict(x=torch.zeros(8, 4).t()), True),
+    "misaligned": (dict(x=torch.zeros(4 * 8 + 1)[1:].view(4, 8)), True),  # 4 bytes off
+    "dtype": (dict(x=torch.zeros(4, 8, dtype=torch.float16)), True),
+    "shape": (dict(x=torch.zeros(2, 8)), True),
+    "tensor_for_none": (dict(x=torch.zeros(4, 8), y=torch.zeros(4, 8)), True),
+    "fixed_tensor": (dict(x=torch.zeros(4, 8), table=torch.arange(4)), True),
+    "grid": (dict(x=torch.zeros(4, 8), grid=(5,)), True),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_what_the_binding_depends_on_binds_again(name):
+    variant, rebinds = VARIANTS[name]
+    kernel = RecordingKernel()
+    launch = RepeatedLaunch(kernel)
+    run(launch, torch.zeros(4, 8))
+    run(launch, **variant)
+    assert kernel.binds == (2 if rebinds else 1)
+    grid, params = kernel.launches[-1]
+    assert params[0] is variant["x"] and params[3] == variant["x"].stride(0)
