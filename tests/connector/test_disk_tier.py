@@ -219,6 +219,40 @@ def test_known_blocks_follow_what_lookups_find(tmp_path):
     assert (key(1) in known, key(2) in known, key(3) in known) == (True, False, True)
 
 
+def test_a_lookup_answers_at_once_while_the_step_has_time(harness):
+    """No RETRY for a block the scheduler thread can check itself: vLLM would look the
+    whole prompt up again a round later (a GPU span hit's new question, every time)."""
+    harness.rows[0] = 7
+    assert harness.run(harness.tier.submit_store, [key(1)], [0])
+    assert harness.tier.lookup(key(1), CTX) is LookupResult.HIT
+    assert harness.tier.lookup(key(3), CTX) is LookupResult.MISS
+
+
+def test_a_slow_check_hands_the_next_steps_lookups_to_the_thread(harness):
+    """A check past the step's time (a slow file system) is paid off by the steps after it:
+    their lookups go to the lookup thread (RETRY, then the answer), and the scheduler thread
+    checks again once the debt is paid."""
+    from minipic.connector.scheduler.disk_tier import SYNC_LOOKUP_S_PER_STEP
+
+    check = harness.tier._lookup.batch_lookup
+    slow = 5 * SYNC_LOOKUP_S_PER_STEP
+
+    def slow_check(keys, req_context):
+        time.sleep(slow)
+        return check(keys, req_context)
+
+    harness.tier._lookup.batch_lookup = slow_check
+    assert harness.tier.lookup(key(1), CTX) is LookupResult.MISS  # checked here, slowly
+    for _ in range(3):
+        assert harness.tier.lookup(key(2), CTX) is LookupResult.RETRY
+        harness.tier.on_schedule_end(None)
+    harness.tier._lookup.batch_lookup = check
+    assert harness.lookup(key(2)) is LookupResult.MISS  # the thread's answer
+    for _ in range(5):
+        harness.tier.on_schedule_end(None)
+    assert harness.tier.lookup(key(4), CTX) is LookupResult.MISS  # checked here again
+
+
 def test_prefault_maps_the_cpu_tier_without_changing_it():
     from minipic.connector.scheduler.prefault import prefault
 

@@ -79,6 +79,12 @@ WRITE_BACKOFF_S = 30.0
 # once when something was removed, and every FULL_CHECK_S anyway (files removed by hand).
 WATCH_S = 1.0
 FULL_CHECK_S = 60.0
+# Existence checks the scheduler thread makes itself, at most this long a scheduler step on
+# average, before it hands them to the lookup thread. A prompt's first block past its hit (a
+# new question's) is then a miss at once: as a RETRY, vLLM would look the whole prompt up
+# again a round later (a GPU span hit's prefix-cache lookup, twice). A slow check (a network
+# file system) is a debt the steps after it pay off without checking.
+SYNC_LOOKUP_S_PER_STEP = 0.001
 
 
 @dataclasses.dataclass
@@ -146,6 +152,7 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._pool = DualQueueThreadPool(n_read_threads, n_write_threads,
                                          thread_name_prefix="minipic_disk")
         self._lookup = _ExistsLookup(self)
+        self._sync_lookup_left = SYNC_LOOKUP_S_PER_STEP  # this step's, less any debt
 
     # -- set-up ---------------------------------------------------------------
 
@@ -236,10 +243,22 @@ class MiniPICDiskTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self._readable or key in self._bad_keys:
             return LookupResult.MISS
-        found = self._lookup.lookup(key, req_context)
+        found = self._lookup_now(key)
+        if found is None:
+            found = self._lookup.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
         return LookupResult.HIT if found else LookupResult.MISS
+
+    def _lookup_now(self, key: OffloadKey) -> bool | None:
+        """Whether `key`'s file exists, checked on this thread while this step's time for
+        such checks lasts (SYNC_LOOKUP_S_PER_STEP); else None."""
+        if self._sync_lookup_left <= 0:
+            return None
+        started = time.perf_counter()
+        [found] = self._lookup.batch_lookup([key], None)
+        self._sync_lookup_left -= time.perf_counter() - started
+        return found
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         # Request level: blocks of the request that the CPU tier already holds are offered to
@@ -253,6 +272,8 @@ class MiniPICDiskTier(SecondaryTierManager):
 
     def on_schedule_end(self, context: Any) -> None:
         self._lookup.flush()
+        self._sync_lookup_left = min(self._sync_lookup_left + SYNC_LOOKUP_S_PER_STEP,
+                                     SYNC_LOOKUP_S_PER_STEP)
 
     # -- transfers --------------------------------------------------------------
 
