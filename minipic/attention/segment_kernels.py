@@ -255,7 +255,9 @@ class RepeatedLaunch:
         self.binds = 0  # launches that went through Triton
         self._key = None
         self._fixed: tuple = ()  # held, so that no other object takes their ids
-        self._args: list = []
+        self._grid: tuple = ()  # the compiled kernel's launcher takes all three sizes
+        self._args: list = []  # every parameter in order: the constexprs come last
+        self._runtime_args = 0  # how many of them are not constexprs
         self._slots: list[list[int]] = []  # where each tensor stands in _args
 
     def __call__(self, grid: tuple, bind, tensors: tuple, fixed: tuple) -> None:
@@ -267,9 +269,11 @@ class RepeatedLaunch:
             self._compiled = self._kernel[grid](*args, **constexprs)
             self.binds += 1
             self._key, self._fixed = key, fixed
-            # the compiled kernel's launcher takes every parameter in order, constexprs too
-            self._args = [*args, *(constexprs[name]
-                                   for name in self._kernel.arg_names[len(args):])]
+            self._grid = (*grid, 1, 1)[:3]
+            names = self._kernel.arg_names[len(args):]
+            assert sorted(names) == sorted(constexprs), "the constexprs are the last parameters"
+            self._args = [*args, *(constexprs[name] for name in names)]
+            self._runtime_args = len(args)
             self._slots = [[i for i, a in enumerate(args) if t is not None and a is t]
                            for t in tensors]
             return
@@ -277,4 +281,25 @@ class RepeatedLaunch:
         for slots, t in zip(self._slots, tensors):
             for slot in slots:
                 args[slot] = t
-        self._compiled[grid](*args)
+        _launch_compiled(self._compiled, self._grid, args, self._runtime_args)
+
+
+# Whether a compiled kernel's launcher takes the constexprs too (Triton 3.3 on: every
+# parameter in order; before, the others only), found at the first reuse.
+_launcher_takes_constexprs: bool | None = None
+
+
+def _launch_compiled(compiled, grid: tuple, args: list, runtime_args: int) -> None:
+    """compiled[grid] on `args`, or on its first runtime_args where the launcher takes no
+    constexprs. A launcher handed the wrong count of arguments refuses them (TypeError)
+    before it launches anything, so the first reuse tries the newer convention first."""
+    global _launcher_takes_constexprs
+    if _launcher_takes_constexprs is None:
+        try:
+            compiled[grid](*args)
+            _launcher_takes_constexprs = True
+        except TypeError:
+            compiled[grid](*args[:runtime_args])
+            _launcher_takes_constexprs = False
+        return
+    compiled[grid](*(args if _launcher_takes_constexprs else args[:runtime_args]))

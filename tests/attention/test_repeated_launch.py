@@ -17,15 +17,16 @@ class RecordingKernel:
 
     arg_names = ["x", "y", "table", "x_stride", "BLOCK"]
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: type | None = None) -> None:
         self.binds = 0
         self.launches: list[tuple] = []
+        self.compiled = compiled or Compiled
 
     def __getitem__(self, grid):
         def bound(*args, **constexprs):
             self.binds += 1
             self.launches.append((grid, (*args, *constexprs.values())))
-            return Compiled(self)
+            return self.compiled(self)
         return bound
 
 
@@ -34,7 +35,8 @@ class Compiled:
         self.kernel = kernel
 
     def __getitem__(self, grid):
-        return lambda *args: self.kernel.launches.append((grid, args))
+        gx, gy, gz = grid  # as Triton's compiled launcher reads it: all three sizes
+        return lambda *args: self.kernel.launches.append(((gx, gy, gz), args))
 
 
 def bind(x, y):
@@ -57,7 +59,7 @@ def test_same_shaped_tensors_reuse_the_binding_in_every_place_they_stand():
     run(launch, second)
     assert kernel.binds == 1
     grid, params = kernel.launches[-1]
-    assert grid == (4,) and params[0] is second and params[1] is second
+    assert grid == (4, 1, 1) and params[0] is second and params[1] is second
     assert params[2] is TABLE and params[3:] == (8, 16)  # strides, then constexprs
 
 
@@ -83,3 +85,30 @@ def test_what_the_binding_depends_on_binds_again(name):
     assert kernel.binds == (2 if rebinds else 1)
     grid, params = kernel.launches[-1]
     assert params[0] is variant["x"] and params[3] == variant["x"].stride(0)
+
+
+
+class OldCompiled(Compiled):
+    """A launcher of Triton before 3.3: the parameters but the constexprs, and no others."""
+
+    def __getitem__(self, grid):
+        def launch(*args):
+            if len(args) != 4:
+                raise TypeError(f"function takes exactly 4 arguments ({len(args)} given)")
+            self.kernel.launches.append((grid, args))
+        return launch
+
+
+@pytest.mark.parametrize("compiled", [Compiled, OldCompiled], ids=["all_parameters", "no_constexprs"])
+def test_the_launchers_convention_is_found_at_the_first_reuse(monkeypatch, compiled):
+    from minipic.attention import segment_kernels
+
+    monkeypatch.setattr(segment_kernels, "_launcher_takes_constexprs", None)
+    kernel = RecordingKernel(compiled)
+    launch = RepeatedLaunch(kernel)
+    for _ in range(3):
+        run(launch, torch.zeros(4, 8))
+    assert kernel.binds == 1 and len(kernel.launches) == 3
+    assert segment_kernels._launcher_takes_constexprs is (compiled is Compiled)
+    reused = [len(params) for _, params in kernel.launches[1:]]
+    assert reused == ([5, 5] if compiled is Compiled else [4, 4])
