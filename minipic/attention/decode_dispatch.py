@@ -60,9 +60,12 @@ def takes_full_graph(runner, req_ids, num_reqs: int) -> bool:
     rows = [index.get(req_id) for req_id in req_ids]
     if None in rows or not prompts.holds(np.asarray(rows)):
         return False
-    needs = [prompts.derived(row, ("decode_need", block_size),
-                             lambda prompt: decode_need(prompt, block_size))
-             for row in rows]
+    from vllm.utils.torch_utils import set_default_torch_num_threads
+
+    with set_default_torch_num_threads(1):  # small host ops (see SpanBatchBuilder.build)
+        needs = [prompts.derived(row, ("decode_need", block_size),
+                                 lambda prompt: decode_need(prompt, block_size))
+                 for row in rows]
     return (not all(need.plain for need in needs)
             and sum(need.earlier_tokens for need in needs) <= earlier_capacity(num_reqs))
 

@@ -151,6 +151,29 @@ def test_flash_attention_gets_a_link_batch_as_rows(monkeypatch):
                       [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [2 * BLOCK] * 10 + [BLOCK] * 3)
 
 
+def test_the_span_plan_runs_in_one_torch_thread(monkeypatch):
+    """Torch's thread pool stays out of the host planning (its threads would busy-wait
+    beside the step's thread after each small op), and is left as it was."""
+    recorded = []
+
+    def plan(*args, **kwargs):
+        recorded.append(torch.get_num_threads())
+        return segment_plan(*args, **kwargs)
+
+    from minipic.attention.segment_plan import segment_plan
+
+    monkeypatch.setattr(fb, "segment_plan", plan)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        md = build(new_builder(monkeypatch, "flash"), monkeypatch, ["-S-S-LLP", "-SLP"],
+                   [42, 3], [122, 43])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert md.minipic_rows is not None and recorded == [1]
+
+
 def test_rows_follow_another_kv_cache_groups_block_table(monkeypatch):
     markers = ["-S-S-LLP", "-SLP"]
     builder = new_builder(monkeypatch, "flash")
