@@ -202,8 +202,7 @@ def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tenso
     """output [n, heads, d]: each token's own row merged with its earlier rows
     entries[starts[t]:starts[t + 1]] (segment_plan.SegmentPlan.merge_starts), by LSE.
     `launches`: as for turn_rows_and_keys."""
-    if own_lse.dtype != torch.float32:  # FlashAttention's LSE is fp32 already
-        own_lse, earlier_lse = own_lse.float(), earlier_lse.float()
+    own_lse, earlier_lse = own_lse.float(), earlier_lse.float()
 
     def bind(output, own_out, own_lse, earlier_out, earlier_lse):
         n, heads, head_size = output.shape
@@ -263,7 +262,9 @@ class RepeatedLaunch:
     def __call__(self, grid: tuple, bind, tensors: tuple, fixed: tuple) -> None:
         key = (grid, *(id(f) if isinstance(f, torch.Tensor) else f for f in fixed),
                *(None if t is None else (t.dtype, t.data_ptr() % 16, t.shape, t.stride())
-                 for t in tensors))
+                 for t in tensors),
+               # which tensors are one object: the slots found by identity hold for these
+               tuple(next(j for j, u in enumerate(tensors) if u is t) for t in tensors))
         if self._compiled is None or key != self._key:
             args, constexprs = bind(*tensors)
             self._compiled = self._kernel[grid](*args, **constexprs)
@@ -276,6 +277,8 @@ class RepeatedLaunch:
             self._runtime_args = len(args)
             self._slots = [[i for i, a in enumerate(args) if t is not None and a is t]
                            for t in tensors]
+            assert all(slots for slots, t in zip(self._slots, tensors) if t is not None), \
+                "bind passes each tensor it is given as it is (a copy would never be swapped)"
             return
         args = self._args
         for slots, t in zip(self._slots, tensors):

@@ -112,3 +112,14 @@ def test_the_launchers_convention_is_found_at_the_first_reuse(monkeypatch, compi
     assert segment_kernels._launcher_takes_constexprs is (compiled is Compiled)
     reused = [len(params) for _, params in kernel.launches[1:]]
     assert reused == ([5, 5] if compiled is Compiled else [4, 4])
+
+
+def test_one_tensor_in_two_places_then_two_tensors_binds_again():
+    kernel = RecordingKernel()
+    launch = RepeatedLaunch(kernel)
+    shared, x, y = torch.zeros(4, 8), torch.zeros(4, 8), torch.ones(4, 8)
+    run(launch, shared, y=shared)
+    run(launch, x, y=y)
+    assert kernel.binds == 2
+    _, params = kernel.launches[-1]
+    assert params[0] is x and params[1] is y
