@@ -219,7 +219,24 @@ def test_known_blocks_follow_what_lookups_find(tmp_path):
     assert (key(1) in known, key(2) in known, key(3) in known) == (True, False, True)
 
 
-def test_a_lookup_answers_at_once_while_the_step_has_time(harness):
+class FakeClock:
+    """time.perf_counter for the tier's step budget: moves only when a check says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", fake)
+    return fake
+
+
+def test_a_lookup_answers_at_once_while_the_step_has_time(harness, clock):
     """No RETRY for a block the scheduler thread can check itself: vLLM would look the
     whole prompt up again a round later (a GPU span hit's new question, every time)."""
     harness.rows[0] = 7
@@ -228,17 +245,16 @@ def test_a_lookup_answers_at_once_while_the_step_has_time(harness):
     assert harness.tier.lookup(key(3), CTX) is LookupResult.MISS
 
 
-def test_a_slow_check_hands_the_next_steps_lookups_to_the_thread(harness):
+def test_a_slow_check_hands_the_next_steps_lookups_to_the_thread(harness, clock):
     """A check past the step's time (a slow file system) is paid off by the steps after it:
     their lookups go to the lookup thread (RETRY, then the answer), and the scheduler thread
     checks again once the debt is paid."""
     from minipic.connector.scheduler.disk_tier import SYNC_LOOKUP_S_PER_STEP
 
     check = harness.tier._lookup.batch_lookup
-    slow = 5 * SYNC_LOOKUP_S_PER_STEP
 
     def slow_check(keys, req_context):
-        time.sleep(slow)
+        clock.now += 5 * SYNC_LOOKUP_S_PER_STEP
         return check(keys, req_context)
 
     harness.tier._lookup.batch_lookup = slow_check
@@ -251,6 +267,38 @@ def test_a_slow_check_hands_the_next_steps_lookups_to_the_thread(harness):
     for _ in range(5):
         harness.tier.on_schedule_end(None)
     assert harness.tier.lookup(key(4), CTX) is LookupResult.MISS  # checked here again
+
+
+def test_a_store_on_a_network_mount_is_never_checked_on_the_scheduler_thread(
+        tmp_path, monkeypatch, clock):
+    """One stat on a network or FUSE mount can hang with its server: the engine must not."""
+    from minipic.connector.store import local_disk
+
+    mounts = [SimpleNamespace(mountpoint="/", fstype="ext4"),
+              SimpleNamespace(mountpoint=str(tmp_path / "store"), fstype="nfs4")]
+    monkeypatch.setattr(local_disk.psutil, "disk_partitions", lambda all: mounts)
+    h = Harness(tmp_path / "store")
+    h.tier.open(FIELDS)
+    try:
+        assert h.tier.lookup(key(3), CTX) is LookupResult.RETRY  # asked on the lookup thread
+        assert h.lookup(key(3)) is LookupResult.MISS
+    finally:
+        h.tier.shutdown()
+
+
+def test_the_mount_holding_a_path_decides_whether_it_is_local(tmp_path, monkeypatch):
+    from minipic.connector.store import local_disk
+
+    mounts = [SimpleNamespace(mountpoint="/", fstype="ext4"),
+              SimpleNamespace(mountpoint="/mnt/shared", fstype="fuse.sshfs"),
+              SimpleNamespace(mountpoint="/mnt/shared/scratch", fstype="xfs")]
+    monkeypatch.setattr(local_disk.psutil, "disk_partitions", lambda all: mounts)
+    assert local_disk.is_local_disk("/srv/store")
+    assert not local_disk.is_local_disk("/mnt/shared/store")
+    assert local_disk.is_local_disk("/mnt/shared/scratch/store")
+    assert local_disk.is_local_disk("/mnt/sharedx/store")  # a name that only starts alike
+    monkeypatch.setattr(local_disk.psutil, "disk_partitions", lambda all: 1 / 0)
+    assert not local_disk.is_local_disk("/srv/store")  # no mount table: the safe side
 
 
 def test_prefault_maps_the_cpu_tier_without_changing_it():

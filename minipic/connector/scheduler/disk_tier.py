@@ -65,6 +65,7 @@ from minipic.connector.scheduler.reader_processes import (
 from minipic.connector.scheduler.skip_known_blocks import KnownBlocks
 from minipic.connector.scheduler.span_heads import SpanHeads
 from minipic.connector.store import block_file, eviction
+from minipic.connector.store.local_disk import is_local_disk
 from minipic.connector.store.namespace import (
     NAMESPACE_FILE, StoreNamespace, block_key_of_path, block_path, open_namespace)
 from minipic.connector.store.secret import load_secret, secret_id
@@ -79,11 +80,12 @@ WRITE_BACKOFF_S = 30.0
 # once when something was removed, and every FULL_CHECK_S anyway (files removed by hand).
 WATCH_S = 1.0
 FULL_CHECK_S = 60.0
-# Existence checks the scheduler thread makes itself, at most this long a scheduler step on
-# average, before it hands them to the lookup thread. A prompt's first block past its hit (a
-# new question's) is then a miss at once: as a RETRY, vLLM would look the whole prompt up
-# again a round later (a GPU span hit's prefix-cache lookup, twice). A slow check (a network
-# file system) is a debt the steps after it pay off without checking.
+# Existence checks the scheduler thread makes itself on a local disk (store/local_disk.py), at
+# most this long a scheduler step on average, before it hands them to the lookup thread. A
+# prompt's first block past its hit (a new question's) is then a miss at once: as a RETRY,
+# vLLM would look the whole prompt up again a round later (a GPU span hit's prefix-cache
+# lookup, twice). A slow check is a debt the steps after it pay off without checking. On a
+# network or FUSE mount every check goes to the lookup thread: there one can hang.
 SYNC_LOOKUP_S_PER_STEP = 0.001
 
 
@@ -96,7 +98,7 @@ class _Job:
 
 
 class _ExistsLookup(AsyncLookupManager):
-    """Existence checks on a pool thread, so the scheduler never waits on the disk."""
+    """Existence checks on a pool thread, so the scheduler does not wait on a slow disk."""
 
     def __init__(self, tier: "MiniPICDiskTier"):
         super().__init__(tier_type=tier.tier_type)
@@ -152,6 +154,7 @@ class MiniPICDiskTier(SecondaryTierManager):
         self._pool = DualQueueThreadPool(n_read_threads, n_write_threads,
                                          thread_name_prefix="minipic_disk")
         self._lookup = _ExistsLookup(self)
+        self._sync_lookups = False  # set by open(): only on a local disk
         self._sync_lookup_left = SYNC_LOOKUP_S_PER_STEP  # this step's, less any debt
 
     # -- set-up ---------------------------------------------------------------
@@ -204,6 +207,7 @@ class MiniPICDiskTier(SecondaryTierManager):
                          self.root_dir, e)
             return
         self._readable = True
+        self._sync_lookups = is_local_disk(self._ns_dir)
         writable = os.access(self._ns_dir / "blocks", os.W_OK)
         self._writes_off_until = 0.0 if writable else float("inf")
         self.counters = ProcessCounters(self._ns_dir if writable else None)
@@ -251,9 +255,9 @@ class MiniPICDiskTier(SecondaryTierManager):
         return LookupResult.HIT if found else LookupResult.MISS
 
     def _lookup_now(self, key: OffloadKey) -> bool | None:
-        """Whether `key`'s file exists, checked on this thread while this step's time for
-        such checks lasts (SYNC_LOOKUP_S_PER_STEP); else None."""
-        if self._sync_lookup_left <= 0:
+        """Whether `key`'s file exists, checked on this thread on a local disk while this
+        step's time for such checks lasts (SYNC_LOOKUP_S_PER_STEP); else None."""
+        if not self._sync_lookups or self._sync_lookup_left <= 0:
             return None
         started = time.perf_counter()
         [found] = self._lookup.batch_lookup([key], None)
