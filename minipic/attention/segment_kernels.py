@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from packaging.version import Version
 
 
 @triton.jit
@@ -287,22 +288,13 @@ class RepeatedLaunch:
         _launch_compiled(self._compiled, self._grid, args, self._runtime_args)
 
 
-# Whether a compiled kernel's launcher takes the constexprs too (Triton 3.3 on: every
-# parameter in order; before, the others only), found at the first reuse.
-_launcher_takes_constexprs: bool | None = None
-
-
 def _launch_compiled(compiled, grid: tuple, args: list, runtime_args: int) -> None:
     """compiled[grid] on `args`, or on its first runtime_args where the launcher takes no
-    constexprs. A launcher handed the wrong count of arguments refuses them (TypeError)
-    before it launches anything, so the first reuse tries the newer convention first."""
-    global _launcher_takes_constexprs
-    if _launcher_takes_constexprs is None:
-        try:
-            compiled[grid](*args)
-            _launcher_takes_constexprs = True
-        except TypeError:
-            compiled[grid](*args[:runtime_args])
-            _launcher_takes_constexprs = False
-        return
-    compiled[grid](*(args if _launcher_takes_constexprs else args[:runtime_args]))
+    constexprs. Launchers check nothing (Triton 3.9's calls the enter hook before it reads
+    an argument), so the convention comes from the version, as torch's inductor decides it."""
+    compiled[grid](*(args if LAUNCHER_TAKES_CONSTEXPRS else args[:runtime_args]))
+
+
+# Triton 3.3 on launches a compiled kernel on every parameter in order, constexprs too;
+# before, on the others only (the release that dropped AttrsDescriptor).
+LAUNCHER_TAKES_CONSTEXPRS = Version(triton.__version__).release >= (3, 3)
