@@ -36,20 +36,27 @@ BATCHES = {
 }
 
 
-def run_rows(case):
+def rows_batch(case):
     plan = segment_plan(case.layout.to("cpu"), case.cu_seqlens_q.tolist(),
                         case.seq_lens.tolist(), case.block_size)
-    batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    return prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+
+
+def run_rows(case):
+    """The batch's answer for case.q, after checking that its next layer (other queries,
+    the launches bound by the first reused) gives what a batch of its own gives them."""
+    batch = rows_batch(case)
     flash = functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3)
     out = torch.full_like(case.q, float("nan"))
     segment_attention(case.q, case.k_cache, case.v_cache, out, batch, flash)
-    # The batch's next layer: other query tensors, the launches bound by the first reused
-    again = torch.full_like(case.q, float("nan"))
-    segment_attention(case.q.clone(), case.k_cache, case.v_cache, again, batch, flash)
+    next_q = torch.randn_like(case.q)
+    reused, alone = torch.full_like(out, float("nan")), torch.full_like(out, float("nan"))
+    segment_attention(next_q, case.k_cache, case.v_cache, reused, batch, flash)
+    segment_attention(next_q, case.k_cache, case.v_cache, alone, rows_batch(case), flash)
     torch.cuda.synchronize()
     assert batch.launches and all(launch.binds == 1 for launch in batch.launches.values())
-    assert torch.equal(again, out)
-    return again
+    assert torch.equal(reused, alone) and not torch.equal(reused, out)
+    return out
 
 
 def run_kernel(case):
@@ -133,17 +140,19 @@ def test_new_keys_turned_with_the_queries_reach_the_cache_first(name):
     def write(turned):
         case.k_cache[slots] = turned
 
-    plan = segment_plan(case.layout.to("cpu"), qsl, seq_lens, case.block_size)
-    batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    batch = rows_batch(case)
     back = Rotation.back(turn, case.cos_sin, case.rotary_dim, case.is_neox)
     flash = functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3)
-    for layer_k in (model_k, model_k.clone()):  # the second reuses the first's launches
+    assert relative_error(expected, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+    # The second layer reuses the first's launches on other queries and other keys' tensor.
+    for q, layer_k in ((case.q, model_k), (torch.randn_like(case.q), model_k.clone())):
+        want = torch.full_like(q, float("nan"))
+        segment_attention(q, case.k_cache, case.v_cache, want, rows_batch(case), flash)
         case.k_cache[slots] = float("nan")
-        out = torch.full_like(case.q, float("nan"))
-        segment_attention(case.q.clone(), case.k_cache, case.v_cache, out, batch, flash,
+        out = torch.full_like(q, float("nan"))
+        segment_attention(q, case.k_cache, case.v_cache, out, batch, flash,
                           NewKeys(layer_k, back, write))
-        assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
-        assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+        assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
     assert all(launch.binds == 1 for launch in batch.launches.values())
 
 
