@@ -124,7 +124,7 @@ def engine_child(spec: dict) -> dict:
     import vllm
 
     return {"engine": spec["name"], "mode": spec["mode"], "batch": spec["batch"],
-            "vllm": vllm.__version__,
+            "vllm": vllm.__version__, "in_process": bool(spec.get("host_profile")),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
             "context_tokens": context, "counted_steps": len(steps),
             "median_step_ms": statistics.median(steps) * 1e3,
@@ -136,8 +136,9 @@ def engine_child(spec: dict) -> dict:
 
 
 def cpu_seconds() -> tuple[float, float]:
-    """CPU seconds (user + system) used so far by this process (the front end) and by its
-    children (the engine core; this process when it runs in-process)."""
+    """CPU seconds (user + system) used so far by this process (the front end, and the
+    engine core too when it runs in-process) and by its children (the engine core, else
+    only helpers such as compile workers)."""
     import psutil
 
     def used(process) -> float:
@@ -267,6 +268,8 @@ def main() -> None:
         parser.error(f"--engines: some of {', '.join(ENGINES)}")
     if args.doc_sets < 1:
         parser.error("--doc-sets: at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1 (round 0 only warms up)")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-decode-"))
     model, engine, markers = make_model(args.arch, work)
@@ -287,7 +290,8 @@ def main() -> None:
 def save(args, rows: list[dict]) -> None:
     ratios: dict[str, dict] = {"minipic": {}, "minipic_plain": {}}
     for mode in {r["mode"] for r in rows}:
-        by = {r["engine"]: r for r in rows if r["mode"] == mode}
+        # In-process rows (--host-profile) time another engine layout: no ratios from them.
+        by = {r["engine"]: r for r in rows if r["mode"] == mode and not r.get("in_process")}
         for name in ratios:
             if name in by and "stock" in by:
                 ratios[name][mode] = round(by[name]["median_step_ms"]
