@@ -27,6 +27,7 @@ benchmark's), one pstats text per engine and mode.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -79,10 +80,10 @@ def prompts(args, markers: dict, block_size: int) -> dict:
 
 def engine_child(spec: dict) -> dict:
     """In this process: one engine, its decode steps timed."""
-    import os
-
     if spec.get("host_profile"):  # cProfile sees the engine core and worker in-process only
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from minipic.devtools.host_profile import run_engine_core_here
+
+        run_engine_core_here()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -175,31 +176,29 @@ def decode_round(llm, tasks: list[list[int]], params, tag: str) -> tuple[list[fl
 def profile_decode(llm, tasks: list[list[int]], prefix: str) -> None:
     """Trace PROFILED_STEPS steps in which every request decodes: the prefills run first,
     untraced, so the trace holds decode steps only."""
-    decode_steps(llm, tasks, "prof", lambda: llm.start_profile(profile_prefix=prefix),
-                 llm.stop_profile, PROFILED_STEPS)
+    decode_steps(llm, tasks, "prof", torch_profile(llm, prefix), PROFILED_STEPS)
+
+
+@contextlib.contextmanager
+def torch_profile(llm, prefix: str):
+    llm.start_profile(profile_prefix=prefix)
+    try:
+        yield
+    finally:
+        llm.stop_profile()
 
 
 def host_profile_decode(llm, tasks: list[list[int]], path: Path) -> None:
-    """cProfile of HOST_PROFILED_STEPS decode steps (engine core in-process): where the
-    host's time goes, by function, to `path` (tottime, then cumulative)."""
-    import cProfile
-    import io
-    import pstats
+    """cProfile of HOST_PROFILED_STEPS decode steps (engine core in-process) to `path`."""
+    from minipic.devtools.host_profile import host_profile
 
-    profile = cProfile.Profile()
-    decode_steps(llm, tasks, "host", profile.enable, profile.disable, HOST_PROFILED_STEPS)
-    text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    text.write(f"{HOST_PROFILED_STEPS} decode steps of {len(tasks)} requests\n")
-    stats.sort_stats("tottime").print_stats(60)
-    stats.sort_stats("cumulative").print_stats(80)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.getvalue())
+    title = f"{HOST_PROFILED_STEPS} decode steps of {len(tasks)} requests"
+    decode_steps(llm, tasks, "host", host_profile(path, title), HOST_PROFILED_STEPS)
 
 
-def decode_steps(llm, tasks: list[list[int]], tag: str, start, stop, steps: int) -> None:
-    """`tasks` run to their end; start() and stop() around `steps` steps in which every
-    request decodes (their prefills before)."""
+def decode_steps(llm, tasks: list[list[int]], tag: str, watched, steps: int) -> None:
+    """`tasks` run to their end; `steps` steps in which every request decodes (their
+    prefills before) run inside the context manager `watched`."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -210,10 +209,9 @@ def decode_steps(llm, tasks: list[list[int]], tag: str, start, stop, steps: int)
     decoded: set[str] = set()
     while len(decoded) < len(tasks):  # until every request has its first token
         decoded |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    start()
-    for _ in range(steps):
-        engine.step()
-    stop()
+    with watched:
+        for _ in range(steps):
+            engine.step()
     while engine.has_unfinished_requests():
         engine.step()
 

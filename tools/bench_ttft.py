@@ -67,6 +67,10 @@ def main() -> None:
     parser.add_argument("--profile-stack", action="store_true",
                         help="with --profile-dir: record Python stacks too (where host time goes; "
                              "tools/trace_summary.py lists them)")
+    parser.add_argument("--host-profile", type=Path,
+                        help="instead of --profile-dir: that prompt under cProfile, the engine "
+                             "core in-process (its timings not the benchmark's), one pstats "
+                             "text per phase into this folder")
     parser.add_argument("--cpu-gb", type=float, help="the connector's CPU tier (default 8 on 8B)")
     parser.add_argument("--disk-phases", type=disk_phase_list, default=DEFAULT_DISK_PHASES,
                         help="disk phases, e.g. warm:4,warm:16,cold:16 (module docstring)")
@@ -75,12 +79,14 @@ def main() -> None:
                              "epic2 two, epic64 64 tokens' worth)")
     add_minipic_option(parser)
     args = parser.parse_args()
+    if args.profile_dir and args.host_profile:
+        parser.error("--profile-dir or --host-profile, not both")
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,
                       disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb),
                       recipe=args.recipe,
                       minipic_options=minipic_option_pairs(args.minipic_option),
-                      profile_stack=args.profile_stack)
+                      profile_stack=args.profile_stack, host_profile_dir=args.host_profile)
     report(results, args)
 
 

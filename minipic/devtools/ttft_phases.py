@@ -100,8 +100,13 @@ def phases_of(disk_specs: list[str]) -> list[Phase]:
 
 
 def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict,
-              profile_dir: str | None = None, profile_stack: bool = False) -> dict:
+              profile_dir: str | None = None, profile_stack: bool = False,
+              host_profile_dir: str | None = None) -> dict:
     """In this process: start one engine, time the final prompts."""
+    from minipic.devtools.host_profile import host_profile, run_engine_core_here
+
+    if host_profile_dir:  # cProfile sees the engine core only in this process
+        run_engine_core_here()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -142,26 +147,33 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
         point["cached_tokens"].append(out.num_cached_tokens)
         if not phase.minipic:  # the same prompt again: stock's own full prefix-cache hit
             point.setdefault("rerun_ttft_s", []).append(timed(run, [final])[0])
-    if profile_dir:  # one more max-size prompt on fresh documents, under the torch profiler
+    if profile_dir or host_profile_dir:  # one more max-size prompt on fresh documents
         profiled = load["profiled"][phase.prompts]
         if not phase.minipic:  # stock: its own full prefix hit, the floor a hit is held to
             run([profiled])
-        llm.start_profile(profile_prefix=phase.name)
-        run([profiled])
-        llm.stop_profile()
+        if profile_dir:  # under the torch profiler
+            llm.start_profile(profile_prefix=phase.name)
+            run([profiled])
+            llm.stop_profile()
+        else:
+            with host_profile(Path(host_profile_dir) / f"{phase.name}.txt",
+                              f"{phase.name}: one prompt of {len(profiled)} tokens"):
+                run([profiled])
     llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
     for point in points.values():
         for series in ("ttft_s", "rerun_ttft_s"):
             if series in point:
                 point[f"median_{series}"] = statistics.median(point[series])
-    return {"phase": phase.name, "points": list(points.values())}
+    # An in-process engine (host_profile_dir) is timed too, but not as a benchmark's is.
+    return {"phase": phase.name, "points": list(points.values()),
+            "in_process": bool(host_profile_dir)}
 
 
 def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
             save=lambda results: None, profile_dir: Path | None = None,
             disk_phases: list[str] = ("warm:4",), cpu_bytes: int | None = None,
             recipe: str = "block_attention", minipic_options: dict | None = None,
-            profile_stack: bool = False) -> list[dict]:
+            profile_stack: bool = False, host_profile_dir: Path | None = None) -> list[dict]:
     """All phases, each in its own process; `save(results)` after each (a late failure keeps
     the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,7 +193,9 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
                                                                       cpu_bytes),
                                                     **(minipic_options or {})},
                                          profile_dir=profile_dir and str(profile_dir),
-                                         profile_stack=profile_stack)))
+                                         profile_stack=profile_stack,
+                                         host_profile_dir=host_profile_dir
+                                         and str(host_profile_dir))))
         results = []
         for phase in phases:
             if phase.cold:
