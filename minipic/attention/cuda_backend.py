@@ -142,9 +142,9 @@ class SpanBatchBuilder:
 
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         # The span layout and plan are many small host tensor ops: one thread runs them.
-        # Torch's pool may wake for each and busy-wait beside the thread that runs the step,
-        # the likely reason an eager decode's engine core used 1.7 CPU seconds a second
-        # (stock 0.86); not yet measured with one thread.
+        # Torch's pool woke for each and busy-waited beside the thread that runs the step:
+        # an eager decode's engine core used 1.73 CPU seconds a second (stock 0.86), in one
+        # thread 0.84-0.87 (docs/benchmarks.md, decode steps).
         with set_default_torch_num_threads(1):
             return self._add_spans(metadata, common_attn_metadata)
 
