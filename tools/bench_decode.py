@@ -288,7 +288,7 @@ def main() -> None:
 def save(args, rows: list[dict]) -> None:
     ratios: dict[str, dict] = {"minipic": {}, "minipic_plain": {}}
     for mode in {r["mode"] for r in rows}:
-        # In-process rows (--host-profile) time another engine layout: no ratios from them.
+        # A --host-profile run's rows (engine core in-process) time another layout: no ratios.
         by = {r["engine"]: r for r in rows if r["mode"] == mode and not r.get("in_process")}
         for name in ratios:
             if name in by and "stock" in by:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from packaging.version import Version
 
 
 @triton.jit
@@ -221,6 +220,20 @@ def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tenso
     return output
 
 
+def _launcher_takes_constexprs() -> bool:
+    """Whether a compiled kernel's launcher takes every parameter in order, constexprs too
+    (Triton 3.3 on), or the others only: decided as torch's inductor decides it, by the
+    AttrsDescriptor that those Triton builds dropped (a git build may still say 3.2)."""
+    import triton.backends.compiler
+    import triton.compiler.compiler
+
+    return not any(hasattr(module, "AttrsDescriptor")  # where 3.2 and 3.0-3.1 kept it
+                   for module in (triton.backends.compiler, triton.compiler.compiler))
+
+
+LAUNCHER_TAKES_CONSTEXPRS = _launcher_takes_constexprs()
+
+
 def launch(kernel, grid: tuple, bind, tensors: tuple, fixed: tuple, launches: dict | None,
            name: str) -> None:
     """kernel[grid] on bind(*tensors) = (args, constexprs), where bind reads nothing but
@@ -291,10 +304,5 @@ class RepeatedLaunch:
 def _launch_compiled(compiled, grid: tuple, args: list, runtime_args: int) -> None:
     """compiled[grid] on `args`, or on its first runtime_args where the launcher takes no
     constexprs. Launchers check nothing (Triton 3.9's calls the enter hook before it reads
-    an argument), so the convention comes from the version, as torch's inductor decides it."""
+    an argument): the convention must be known, not tried (LAUNCHER_TAKES_CONSTEXPRS)."""
     compiled[grid](*(args if LAUNCHER_TAKES_CONSTEXPRS else args[:runtime_args]))
-
-
-# Triton 3.3 on launches a compiled kernel on every parameter in order, constexprs too;
-# before, on the others only (the release that dropped AttrsDescriptor).
-LAUNCHER_TAKES_CONSTEXPRS = Version(triton.__version__).release >= (3, 3)

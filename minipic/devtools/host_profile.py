@@ -1,6 +1,6 @@
 """cProfile of some engine steps: where the host's time goes, by function.
 
-cProfile sees only this process, so the engine core must run in it
+cProfile sees only the thread that starts it, so the engine core must run in it
 (`run_engine_core_here()` before the engine starts); such an engine's timings are not
 a benchmark's (no front end / engine core overlap, the profiler's own cost)."""
 

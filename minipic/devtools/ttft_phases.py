@@ -105,6 +105,7 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
     """In this process: start one engine, time the final prompts."""
     from minipic.devtools.host_profile import host_profile, run_engine_core_here
 
+    assert not (profile_dir and host_profile_dir), "the torch profiler or cProfile, not both"
     if host_profile_dir:  # cProfile sees the engine core only in this process
         run_engine_core_here()
     from vllm import LLM, SamplingParams

@@ -8,6 +8,7 @@ import logging
 import mmap
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -239,6 +240,7 @@ def clock(monkeypatch):
 def test_a_lookup_answers_at_once_while_the_step_has_time(harness, clock):
     """No RETRY for a block the scheduler thread can check itself: vLLM would look the
     whole prompt up again a round later (a GPU span hit's new question, every time)."""
+    harness.tier._sync_lookups = True  # whatever file system the test's temp folder is on
     harness.rows[0] = 7
     assert harness.run(harness.tier.submit_store, [key(1)], [0])
     assert harness.tier.lookup(key(1), CTX) is LookupResult.HIT
@@ -251,10 +253,12 @@ def test_a_slow_check_hands_the_next_steps_lookups_to_the_thread(harness, clock)
     checks again once the debt is paid."""
     from minipic.connector.scheduler.disk_tier import SYNC_LOOKUP_S_PER_STEP
 
+    harness.tier._sync_lookups = True  # whatever file system the test's temp folder is on
     check = harness.tier._lookup.batch_lookup
 
     def slow_check(keys, req_context):
-        clock.now += 5 * SYNC_LOOKUP_S_PER_STEP
+        if threading.current_thread() is threading.main_thread():  # the scheduler's checks
+            clock.now += 5 * SYNC_LOOKUP_S_PER_STEP
         return check(keys, req_context)
 
     harness.tier._lookup.batch_lookup = slow_check
@@ -263,7 +267,7 @@ def test_a_slow_check_hands_the_next_steps_lookups_to_the_thread(harness, clock)
         assert harness.tier.lookup(key(k), CTX) is LookupResult.RETRY
         harness.tier.on_schedule_end(None)
     harness.tier._lookup.batch_lookup = check
-    assert harness.lookup(key(2)) is LookupResult.MISS  # the thread's answer
+    assert harness.lookup(key(2)) is LookupResult.MISS
     for _ in range(5):
         harness.tier.on_schedule_end(None)
     assert harness.tier.lookup(key(4), CTX) is LookupResult.MISS  # checked here again
@@ -286,17 +290,20 @@ def test_a_store_on_a_network_mount_is_never_checked_on_the_scheduler_thread(
         h.tier.shutdown()
 
 
-def test_the_mount_holding_a_path_decides_whether_it_is_local(tmp_path, monkeypatch):
+def test_the_mount_holding_a_path_decides_whether_it_is_local(monkeypatch):
     from minipic.connector.store import local_disk
 
     mounts = [SimpleNamespace(mountpoint="/", fstype="ext4"),
               SimpleNamespace(mountpoint="/mnt/shared", fstype="fuse.sshfs"),
-              SimpleNamespace(mountpoint="/mnt/shared/scratch", fstype="xfs")]
+              SimpleNamespace(mountpoint="/mnt/shared/scratch", fstype="xfs"),
+              SimpleNamespace(mountpoint="/srv/nfs", fstype="ext4"),
+              SimpleNamespace(mountpoint="/srv/nfs", fstype="nfs4")]  # mounted over it
     monkeypatch.setattr(local_disk.psutil, "disk_partitions", lambda all: mounts)
     assert local_disk.is_local_disk("/srv/store")
     assert not local_disk.is_local_disk("/mnt/shared/store")
     assert local_disk.is_local_disk("/mnt/shared/scratch/store")
     assert local_disk.is_local_disk("/mnt/sharedx/store")  # a name that only starts alike
+    assert not local_disk.is_local_disk("/srv/nfs/store")
     monkeypatch.setattr(local_disk.psutil, "disk_partitions", lambda all: 1 / 0)
     assert not local_disk.is_local_disk("/srv/store")  # no mount table: the safe side
 

@@ -144,8 +144,13 @@ def test_new_keys_turned_with_the_queries_reach_the_cache_first(name):
     back = Rotation.back(turn, case.cos_sin, case.rotary_dim, case.is_neox)
     flash = functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3)
     assert relative_error(expected, reference_attention(case)) < TOLERANCE[torch.bfloat16]
-    # The second layer reuses the first's launches on other queries and other keys' tensor.
-    for q, layer_k in ((case.q, model_k), (torch.randn_like(case.q), model_k.clone())):
+    # The second layer reuses the first's launches on other queries and other keys.
+    cached_k = torch.randn_like(case.k_cache[slots])
+    other_k = Rotation.at(turn, case.cos_sin, case.rotary_dim, case.is_neox,
+                          pure=True).apply(cached_k).to(case.k_cache.dtype)
+    for q, layer_k, cache_k in ((case.q, model_k, case.k_cache[slots].clone()),
+                                (torch.randn_like(case.q), other_k, cached_k)):
+        case.k_cache[slots] = cache_k  # the keys as the reference reads them
         want = torch.full_like(q, float("nan"))
         segment_attention(q, case.k_cache, case.v_cache, want, rows_batch(case), flash)
         case.k_cache[slots] = float("nan")

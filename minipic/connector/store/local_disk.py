@@ -19,13 +19,14 @@ LOCAL_FILE_SYSTEMS = frozenset({
 
 
 def file_system_of(path: str | os.PathLike) -> str | None:
-    """The type of the mount holding `path` (the longest mount point above it)."""
+    """The type of the mount holding `path`: the longest mount point above it, the last
+    listed of equal ones (a later mount on the same point hides the earlier)."""
     real = os.path.realpath(path)
     best_mount, best_type = "", None
     for part in psutil.disk_partitions(all=True):
         mount = part.mountpoint
         inside = real == mount or real.startswith(mount.rstrip(os.sep) + os.sep)
-        if inside and len(mount) > len(best_mount):
+        if inside and len(mount) >= len(best_mount):
             best_mount, best_type = mount, part.fstype
     return best_type
 
