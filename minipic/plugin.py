@@ -15,6 +15,9 @@ def register() -> None:
     if _registered:
         return
     from minipic import _vllm_patches
+    from minipic.devtools.stack_sampler import start_from_env
+
+    start_from_env()  # only with MINIPIC_STACK_SAMPLES set (a benchmark's profile)
 
     _vllm_patches.apply_all()
     _registered = True

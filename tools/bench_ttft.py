@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, add_minipic_option, disk_phase_list, gib, int_list,
     minipic_option_pairs)
+from minipic.devtools.stack_sampler import ENV_FOLDER  # noqa: E402
 from minipic.devtools.ttft_phases import measure  # noqa: E402
 
 
@@ -77,10 +79,16 @@ def main() -> None:
     parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default="block_attention",
                         help="span prompt layout (epic recomputes one link block per document, "
                              "epic2 two, epic64 64 tokens' worth)")
+    parser.add_argument("--stack-samples", type=Path,
+                        help="sample every thread of every process during each timed prompt "
+                             "(minipic.devtools.stack_sampler) into this folder; "
+                             "tools/stack_summary.py reads it. Rows tagged stack_sampled")
     add_minipic_option(parser)
     args = parser.parse_args()
     if args.profile_dir and args.host_profile:
         parser.error("--profile-dir or --host-profile, not both")
+    if args.stack_samples:  # the phases' processes inherit it, and start their samplers
+        os.environ[ENV_FOLDER] = str(args.stack_samples.resolve())
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,
                       disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb),

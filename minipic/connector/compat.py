@@ -13,6 +13,7 @@ keeps working if it has either shape.
 | DualQueueThreadPool finished | (job_id, success)                    | (job_id, success, seconds)           |
 | tier medium (hit source)     | absent                               | Medium.STORAGE                       |
 | CPU tier region (both)       | spec._scheduler_mmap (.mmap_path, ._creator), worker._mmap_region |
+| tiering manager's jobs       | _transfer_jobs {id: JobMetadata(.is_promotion)} | _jobs {id: JobMetadata(.transfer_job.is_promotion)}; per request .pending_cascade_keys |
 """
 
 from __future__ import annotations
@@ -79,6 +80,26 @@ def job_slots(job: Any) -> Any:
     """Primary-tier row indices of a tier transfer job."""
     slots = getattr(job, "chunk_ids", None)
     return job.block_ids if slots is None else slots
+
+
+def tiering_needs_steps(manager: Any) -> bool:
+    """Whether vLLM's tiering manager has work that only engine steps move on: a load
+    (secondary -> CPU tier) that a request waits for, or cascade keys not yet handed to a
+    tier. Stores already handed to a tier are not: its threads finish them alone. A shape
+    this does not know counts as the manager's own has_pending_work()."""
+    jobs = getattr(manager, "_jobs", None)  # 0.32
+    if isinstance(jobs, dict):
+        promotions = (getattr(m, "transfer_job", None) for m in jobs.values())
+        if any(j is None or j.is_promotion for j in promotions):
+            return True
+        states = getattr(manager, "_req_state", {}).values()
+        return (any(s.pending_cascade_keys for s in states)
+                or any(t.has_pending_work() for t in manager.secondary_tiers))
+    jobs = getattr(manager, "_transfer_jobs", None)  # 0.25
+    if isinstance(jobs, dict):
+        return (any(getattr(m, "is_promotion", True) for m in jobs.values())
+                or any(t.has_pending_work() for t in manager.secondary_tiers))
+    return manager.has_pending_work()
 
 
 def finished_jobs(pool: Any) -> list[tuple[int, bool]]:

@@ -50,6 +50,7 @@ class MiniPICOffloadingSpec(TieringOffloadingSpec):
     def get_manager(self) -> Any:
         if self._minipic_manager is None:
             from minipic.connector.scheduler.disk_tier import MiniPICDiskTier
+            from minipic.connector.scheduler.idle_during_stores import IdleDuringDiskStores
             from minipic.connector.scheduler.skip_known_blocks import SkipKnownBlocks
 
             try:
@@ -61,8 +62,8 @@ class MiniPICOffloadingSpec(TieringOffloadingSpec):
                                 "memory goes with the last of them", path)
             disk = [t for t in getattr(manager, "secondary_tiers", ())
                     if isinstance(t, MiniPICDiskTier)]
-            self._minipic_manager = SkipKnownBlocks(manager, disk[0].holds) if disk \
-                else manager
+            self._minipic_manager = SkipKnownBlocks(IdleDuringDiskStores(manager),
+                                                    disk[0].holds) if disk else manager
         return self._minipic_manager
 
     def get_worker(self, kv_caches: Any) -> Any:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from minipic.devtools.bench_setup import connector_extra, make_model, random_words, split_disk_phase
 from minipic.devtools.page_cache import drop_from_page_cache
+from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window
 from minipic.devtools.store_totals import store_totals
 from minipic.devtools.timing import timed
 
@@ -143,11 +144,13 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
         point = points.setdefault(docs, {"docs": docs, "ttft_s": [], "cached_tokens": [],
                                          "prompt_tokens": len(final)})
         # max_tokens=1: the seconds to the answer are the seconds to its first token.
-        ttft, [out] = timed(run, [final])
+        with sample_window(f"{phase.name} docs={docs}"):
+            ttft, [out] = timed(run, [final])
         point["ttft_s"].append(ttft)
         point["cached_tokens"].append(out.num_cached_tokens)
         if not phase.minipic:  # the same prompt again: stock's own full prefix-cache hit
-            point.setdefault("rerun_ttft_s", []).append(timed(run, [final])[0])
+            with sample_window(f"stock-rerun docs={docs}"):
+                point.setdefault("rerun_ttft_s", []).append(timed(run, [final])[0])
     if profile_dir or host_profile_dir:  # one more max-size prompt on fresh documents
         profiled = load["profiled"][phase.prompts]
         if not phase.minipic:  # stock: its own full prefix hit, the floor a hit is held to
@@ -165,9 +168,11 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
         for series in ("ttft_s", "rerun_ttft_s"):
             if series in point:
                 point[f"median_{series}"] = statistics.median(point[series])
-    # An in-process engine (host_profile_dir) is timed too, but not as a benchmark's is.
+    # An in-process engine (host_profile_dir) is timed too, but not as a benchmark's is;
+    # nor is one whose timed requests were stack-sampled.
     return {"phase": phase.name, "points": list(points.values()),
-            "in_process": bool(host_profile_dir)}
+            "in_process": bool(host_profile_dir),
+            "stack_sampled": bool(os.environ.get(ENV_FOLDER))}
 
 
 def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,

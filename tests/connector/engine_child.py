@@ -8,6 +8,12 @@ PLAN: {"model": ..., "extra_config": {...}, "steps": [...]} where a step is
   {"op": "wait", "path": str}         wait for another process's signal
   {"op": "sleep", "seconds": float}   let background offloading finish
   {"op": "cli", "args": [...]}        run `minipic ...` (e.g. store evict) while the engine runs
+  {"op": "stall_disk_writes"}          block files wait until release (needs "in_process")
+  {"op": "idle_check", "name": str}    step the engine as its busy loop would until a held
+                                       write waits and it has nothing to step for (or 10 s);
+                                       record whether it got there
+  {"op": "release_disk_writes"}
+PLAN "in_process": true runs the engine core in this process (the ops above patch it).
 OUT: {"results": {name: [{"tokens": [...], "cached": int}, ...]}}
 
 Tests start it with subprocess so that each engine is a fresh process: a
@@ -44,6 +50,43 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
             for o in outputs]
 
 
+class StalledWrites:
+    """The disk tier's block writes, held until released (an NFS server that hangs)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from minipic.connector.store import block_file
+
+        self.release = threading.Event()
+        self.waiting = 0
+        original = block_file.write_block
+
+        def write_block(*args, **kwargs):
+            self.waiting += 1
+            self.release.wait()
+            return original(*args, **kwargs)
+
+        block_file.write_block = write_block
+
+
+def idle_check(llm, stalled: StalledWrites, timeout_s: float = 10.0) -> dict:
+    """Step as EngineCoreProc's busy loop does while its scheduler has requests, until a
+    held write waits and the scheduler has nothing left (or the timeout)."""
+    core = llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore
+    deadline, steps = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        busy = core.scheduler.has_requests()
+        if stalled.waiting and not busy:
+            break
+        if busy:
+            core.step_fn()
+            steps += 1
+        time.sleep(0.001)
+    return {"idle": not core.scheduler.has_requests(), "steps": steps,
+            "writes_waiting": stalled.waiting, "released": stalled.release.is_set()}
+
+
 def wait_for(path: str, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
@@ -57,8 +100,11 @@ def main(plan_path: str, out_path: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with open(plan_path) as f:
         plan = json.load(f)
+    if plan.get("in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = make_llm(plan["model"], plan["extra_config"])
     results: dict[str, list[dict]] = {}
+    stalled = None
     for step in plan["steps"]:
         if step["op"] == "generate":
             results[step["name"]] = generate(llm, step["prompts"], step.get("max_tokens", 8))
@@ -73,9 +119,18 @@ def main(plan_path: str, out_path: str) -> None:
 
             if minipic_cli(step["args"]) != 0:
                 raise RuntimeError(f"minipic {' '.join(step['args'])} failed")
+        elif step["op"] == "stall_disk_writes":
+            stalled = StalledWrites()
+        elif step["op"] == "idle_check":
+            results[step["name"]] = idle_check(llm, stalled)
+        elif step["op"] == "release_disk_writes":
+            stalled.release.set()
     with open(out_path, "w") as f:
         json.dump({"results": results}, f)
-    del llm  # shut the engine down: the disk tier finishes its writes
+    # Shut the engine down: the disk tier finishes its writes (an in-process engine only
+    # when told: at exit its write threads would just stop).
+    llm.llm_engine.engine_core.shutdown()
+    del llm
 
 
 if __name__ == "__main__":

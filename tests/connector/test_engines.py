@@ -70,10 +70,11 @@ def extra_config(store: Path, **more) -> dict:
             "pdep_token_id": PDEP, "pad_token_id": PAD, "disk_read_processes": 1, **more}
 
 
-def start_engine(tmp: Path, name: str, model: str, store: Path, steps: list, **extra) -> tuple:
+def start_engine(tmp: Path, name: str, model: str, store: Path, steps: list,
+                 in_process: bool = False, **extra) -> tuple:
     plan = tmp / f"{name}.plan.json"
     plan.write_text(json.dumps({"model": model, "extra_config": extra_config(store, **extra),
-                                "steps": steps}))
+                                "steps": steps, "in_process": in_process}))
     out, log = tmp / f"{name}.out.json", open(tmp / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, CHILD, str(plan), str(out)], env=ENV,
                             stdout=log, stderr=subprocess.STDOUT)
@@ -87,8 +88,9 @@ def finish(engine: tuple, timeout: float = 600) -> dict:
     return json.loads(out.read_text())["results"]
 
 
-def run_engine(tmp: Path, name: str, model: str, store: Path, steps: list, **extra) -> dict:
-    return finish(start_engine(tmp, name, model, store, steps, **extra))
+def run_engine(tmp: Path, name: str, model: str, store: Path, steps: list,
+               in_process: bool = False, **extra) -> dict:
+    return finish(start_engine(tmp, name, model, store, steps, in_process, **extra))
 
 
 def gen(name: str, prompts: list, max_tokens: int = 8) -> dict:
@@ -254,6 +256,25 @@ def test_gpu_hits_on_stored_spans_are_not_copied_back(world):
     ns = store_stats(store)
     assert ns.blocks >= sum(len(s) // BS for s in P["spans"]) + 24
     assert ns.counters["duplicate_blocks"] == 0
+
+
+def test_the_engine_idles_while_only_disk_writes_are_in_flight(world):
+    """An in-process engine prefills the spans with their block files held back: once the
+    CPU tier has them, only the tier's writes are left, and they need no engine step. vLLM's
+    default is to keep stepping (a busy-poll: schedule, empty step, 1 ms sleep) until they
+    end, starving them and the next request of the GIL. The held writes still land: the
+    engine's shutdown waits for them."""
+    tmp, store = world["tmp"], world["tmp"] / "store-idle"
+    results = run_engine(tmp, "idle", world["model"], store, [
+        {"op": "stall_disk_writes"}, gen("spans", P["spans"], max_tokens=1),
+        {"op": "idle_check", "name": "idle"}, {"op": "release_disk_writes"}],
+        in_process=True)
+    idle = results["idle"]
+    assert idle["writes_waiting"] > 0 and not idle["released"]
+    assert idle["idle"], f"still stepping after {idle['steps']} steps"
+    ns = store_stats(store)
+    assert (ns.blocks, ns.spans) == (sum(len(s) // BS for s in P["spans"]), len(P["spans"]) - 2)
+    assert_store_clean(store)
 
 
 def test_spans_the_store_lost_are_written_back(world):
