@@ -9,6 +9,7 @@ prompt builders (to insert markers and padding).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Mapping, Sequence
 
@@ -51,9 +52,10 @@ class SpanProtocol:
         """The names of the ids this protocol sets."""
         return _FIELDS + tuple(f for f in _OPTIONAL_FIELDS if getattr(self, f) is not None)
 
-    @property
+    @functools.cached_property
     def markers(self) -> frozenset[int]:
-        """Tokens that act at a block start: SSep, PDep and link."""
+        """Tokens that act at a block start: SSep, PDep and link (built once: prompt
+        checks read it for every block)."""
         found = (self.ssep_token_id, self.pdep_token_id, self.link_token_id)
         return frozenset(t for t in found if t is not None)
 
@@ -140,6 +142,7 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
     if protocol.link_token_id is None:
         return
     firsts = list(block_first_tokens)
+    markers = protocol.markers
     total_links = firsts.count(protocol.link_token_id)
     spans: list[int] = []  # length in blocks of each SSep span so far
     links = 0
@@ -153,7 +156,7 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
                 f"prompt token {block * block_size} starts a PDep block between span "
                 f"{links + 1} and its link: put every link before the task (as "
                 "minipic.client.epic does)")
-        if first in protocol.markers:
+        if first in markers:
             if kind == "link":
                 _check_link_fits(links, block - link_start, spans, link_start, block_size)
                 run_ended = first != protocol.link_token_id

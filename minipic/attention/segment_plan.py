@@ -69,8 +69,8 @@ class SegmentPlan:
     # merge_entries[merge_starts[t]:merge_starts[t + 1]] (None without earlier rows).
     merge_starts: torch.Tensor | None = None
     merge_entries: torch.Tensor | None = None
-    # Every run one query (a decode batch): causal and non-causal rows agree, so `own` then
-    # `earlier` go as one non-causal call (one FlashAttention launch a layer, not two).
+    # `own` (as rows of one query each) then `earlier`, as one non-causal call (one
+    # FlashAttention launch a layer, not two): see _joint. None: two calls.
     joint: FlashRows | None = None
 
     def to(self, device: torch.device | str) -> "SegmentPlan":
@@ -150,8 +150,39 @@ def _planned(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int]
     starts = np.zeros(own.query_index.numel() + 1, dtype=np.int32)
     starts[1:] = np.bincount(token, minlength=starts.size - 1).cumsum()
     entries = np.argsort(token, kind="stable").astype(np.int32)
-    joint = _rows(*_joined(own_parts, earlier_parts)) if own.max_seqlen_q == 1 else None
-    return SegmentPlan(own, earlier, torch.from_numpy(starts), torch.from_numpy(entries), joint)
+    return SegmentPlan(own, earlier, torch.from_numpy(starts), torch.from_numpy(entries),
+                       _joint(own, own_parts, earlier_parts))
+
+
+# Most keys the causal rows may read in all when each query goes as a row of its own (see
+# _joint): a hit's 32-token question after a 64-token header reads 2.6k; a long task chunk
+# (keys read once per query instead of once per tile) stays two calls.
+JOINT_OWN_KEYS = 1 << 14
+
+
+def _joint(own: FlashRows, own_parts: "_RowParts", earlier_parts: "_RowParts"
+           ) -> FlashRows | None:
+    """Both kinds of rows as one non-causal call, where the causal rows can go as rows of
+    one query: query i of a causal row of L queries over K keys sees K - (L - 1 - i) keys,
+    all of them, which a non-causal row of that one query over those keys computes too.
+    A decode batch always (one query per run); a prefill while its single rows read at most
+    JOINT_OWN_KEYS keys (a span hit's question: one FlashAttention launch a layer, not two)."""
+    if own.max_seqlen_q == 1:
+        return _rows(*_joined(own_parts, earlier_parts))
+    singles = _one_query_each(own_parts)
+    if int(singles.key_lens.sum()) > JOINT_OWN_KEYS:
+        return None
+    return _rows(*_joined(singles, earlier_parts))
+
+
+def _one_query_each(rows: "_RowParts") -> "_RowParts":
+    """Causal `rows` as rows of one query each (their tokens stay in order)."""
+    row = np.repeat(np.arange(rows.query_lens.size), rows.query_lens)
+    first = np.cumsum(rows.query_lens) - rows.query_lens
+    later_queries = rows.query_lens[row] - 1 - (np.arange(row.size) - first[row])
+    return _RowParts(rows.query_index, rows.query_turn, np.ones(row.size, dtype=np.int64),
+                     rows.key_lens[row] - later_queries, rows.row_request[row],
+                     rows.row_blocks[row])
 
 
 def _one_token_on(tables: "_LayoutTables", last_starts: list[int], last_lens: list[int],

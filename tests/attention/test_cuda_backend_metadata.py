@@ -140,10 +140,12 @@ def test_flash_attention_gets_a_link_batch_as_rows(monkeypatch):
     for got, want in ((plan.own, expected.own), (plan.earlier, expected.earlier)):
         assert torch.equal(got.row_blocks, want.row_blocks)
         assert torch.equal(got.query_turn, want.query_turn)
+    # short runs: one call (the causal rows as rows of one query each, see segment_plan)
+    assert plan.joint is not None and md.minipic_rows.own_table is None
     # the rows' physical blocks: request r's logical block b is r * MAX_BLOCKS + b here
-    own = plan.own
-    assert torch.equal(md.minipic_rows.own_table,
-                       (own.row_request[:, None] * MAX_BLOCKS + own.row_blocks).int())
+    joint = plan.joint
+    assert torch.equal(md.minipic_rows.joint_table,
+                       (joint.row_request[:, None] * MAX_BLOCKS + joint.row_blocks).int())
     # link 1's queries: shift 4 blocks, in their own frame (turn 0): 64 in all
     assert plan.own.query_turn[:16].tolist() == [4 * BLOCK] * 16
     assert md.minipic_token_shift is None
@@ -183,10 +185,10 @@ def test_rows_follow_another_kv_cache_groups_block_table(monkeypatch):
                             block_table=blk_table))
     other = torch.arange(2 * MAX_BLOCKS, dtype=torch.int32).view(2, MAX_BLOCKS) + 1000
     new = builder.update_block_table(md, other, None)
-    own = new.minipic_rows.plan.own
-    assert torch.equal(new.minipic_rows.own_table,
-                       other[own.row_request[:, None], own.row_blocks])
-    assert not torch.equal(new.minipic_rows.own_table, md.minipic_rows.own_table)
+    joint = new.minipic_rows.plan.joint  # short runs: one call (see the test above)
+    assert torch.equal(new.minipic_rows.joint_table,
+                       other[joint.row_request[:, None], joint.row_blocks])
+    assert not torch.equal(new.minipic_rows.joint_table, md.minipic_rows.joint_table)
 
 
 def test_long_task_chunks_over_many_spans_take_the_kernel(monkeypatch):

@@ -36,6 +36,7 @@ def _errors(name: str) -> dict[str, float]:
     from minipic.attention.segment_attention import (merge, paged_flash_reference, prepare,
                                                      segment_attention)
     from minipic.attention.segment_kernels import merge_rows, turn_rows, turn_rows_and_keys
+    from minipic.attention import segment_plan as segment_plan_module
     from minipic.attention.segment_plan import segment_plan
     from minipic.devtools.paged_attention_case import (epic_markers, make_case,
                                                        reference_attention, relative_error)
@@ -44,6 +45,9 @@ def _errors(name: str) -> dict[str, float]:
     kwargs["dtype"] = getattr(torch, kwargs["dtype"])
     case = make_case([16 * 3 + 5, 1], [16 + 3 * 48, 16 + 2 * 32 + 32 + 20],
                      markers=[epic_markers(3, 3, 1, 2), epic_markers(2, 2, 1, 3)], **kwargs)
+    # The two-call path (the causal rows apart), whose merge of two calls this checks; the
+    # one-call path's merge is _graph_errors'.
+    segment_plan_module.JOINT_OWN_KEYS = 0
     plan = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
     batch = prepare(plan, case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
     q = case.q

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from minipic.attention.segment_attention import paged_flash_reference, prepare, segment_attention
-from minipic.attention.segment_plan import segment_plan
+from minipic.attention import segment_plan as segment_plan_module
+from minipic.attention.segment_plan import JOINT_OWN_KEYS, segment_plan
 from minipic.devtools.paged_attention_case import (epic_markers, make_case, random_segments,
                                                    reference_attention, relative_error,
                                                    shared_documents_case)
@@ -237,13 +238,37 @@ def test_sharing_keeps_each_querys_own_turn():
 
 def test_prefill_runs_over_shared_documents_share_rows():
     """Two tasks prefilled after hits on the same documents (several queries each): their
-    rows merge too, and the two FlashAttention calls give the reference's answer."""
+    rows merge too, and the one FlashAttention call (short tasks: each query a causal row of
+    its own) gives the reference's answer."""
     case = shared_documents_case(dtype=torch.float32, query_lens=(20, 1, 20))
     plan, out = run_plan(case)
-    assert plan.joint is None
+    assert plan.joint is not None
     assert relative_error(out, reference_attention(case)) < 1e-5
     sizes = (plan.earlier.cu_seqlens_q[1:] - plan.earlier.cu_seqlens_q[:-1]).tolist()
     assert sorted(sizes)[-2:] == [40, 40]
+
+
+@pytest.mark.parametrize("budget, calls", [(JOINT_OWN_KEYS, 1), (0, 2)])
+def test_a_short_task_after_cached_spans_is_one_flash_call(budget, calls, monkeypatch):
+    """A span hit's question (a few dozen queries after the header and the spans): its
+    causal row goes as rows of one query each beside the spans' rows, one call a layer;
+    with no budget for that, two calls. Both give the reference's answer."""
+    monkeypatch.setattr(segment_plan_module, "JOINT_OWN_KEYS", budget)
+    # a header block, ten 4-block spans, then the question (3 blocks, its last one partial);
+    # beside it, a decode step
+    case = make_case([33, 1], [16 * 41, 200], num_q_heads=4, num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, seed=3,
+                     markers=["-" + "S---" * 10 + "P--", "-S" + "-" * 11])
+    seen = []
+
+    def counted(*args, **kwargs):
+        seen.append(kwargs["causal"])
+        return paged_flash_reference(*args, **kwargs)
+
+    plan, out = run_plan(case, counted)
+    assert int((plan.earlier.row_request == 0).sum()) == 10  # one row per cached span
+    assert len(seen) == calls
+    assert relative_error(out, reference_attention(case)) < 1e-5
 
 
 def test_new_keys_are_turned_and_written_before_the_rows_read_them():
