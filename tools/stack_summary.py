@@ -6,8 +6,9 @@ spent the sampled windows, e.g. one timed request.
 
 Windows are grouped by name (`gpu-hit docs=40`): for each group, each process and thread, the
 share of its samples whose innermost frame is a line (`self`) and whose stack passes through a
-function (`inclusive`). Time is the samples' count x the interval; a thread blocked in C (a
-poll, a CUDA sync) counts as the line that called it.
+function (`inclusive`); a thread's time is its share of its process's sampler ticks times the
+windows' wall time. A thread blocked in C (a poll, a CUDA sync) counts as the line that called
+it; so does one waiting for the GIL after such a call.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def thread_report(samples: list[dict], stacks: dict[int, list[str]], top: int) -
     return lines
 
 
-def summary(folder: Path, top: int, interval_ms: float) -> str:
+def summary(folder: Path, top: int) -> str:
     groups = read_windows(folder)
     processes = [read_process(path) for path in sorted(folder.glob("*.samples.jsonl"))]
     out = []
@@ -98,13 +99,16 @@ def summary(folder: Path, top: int, interval_ms: float) -> str:
         out.append(f"## {name}: {len(windows)} windows, {span_ms:.1f} ms in all")
         for title, stacks, samples in processes:
             picked = in_windows(samples, windows)
+            # The sampler's ticks stretch while other threads hold the GIL: a thread's time
+            # is its share of the process's ticks times the windows' wall time.
+            ticks = len({sample["t"] for sample in picked})
             by_thread = collections.defaultdict(list)
             for sample in picked:
                 by_thread[sample["thread"]].append(sample)
             for thread, thread_samples in sorted(by_thread.items()):
+                ms = len(thread_samples) / ticks * span_ms / len(windows)
                 out.append(f"  [{title}] thread {thread}: {len(thread_samples)} samples "
-                           f"(~{len(thread_samples) * interval_ms / len(windows):.1f} ms "
-                           "a window)")
+                           f"(~{ms:.1f} ms a window)")
                 out += thread_report(thread_samples, stacks, top)
         out.append("")
     return "\n".join(out)
@@ -114,10 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--interval-ms", type=float, default=1.0,
-                        help="the sampler's MINIPIC_STACK_SAMPLE_MS (for the ms column)")
     args = parser.parse_args()
-    print(summary(args.folder, args.top, args.interval_ms))
+    print(summary(args.folder, args.top))
 
 
 if __name__ == "__main__":

@@ -194,8 +194,9 @@ def _decode_rows(plan: SegmentPlan | None, seq_lens: list[int], table_width: int
     n = len(seq_lens)
     if plan is not None:
         rows = plan.joint if plan.earlier is not None else plan.own
-        if rows is None or rows.cu_seqlens_q.numel() < n + 1 \
-                or rows.cu_seqlens_q[n].item() != n:
+        # n query tokens in all (a prefill's joint rows are one query each too)
+        if rows is None or plan.own.query_index.numel() != n \
+                or rows.cu_seqlens_q.numel() < n + 1 or rows.cu_seqlens_q[n].item() != n:
             raise ValueError("a decode graph's batch runs one query per request")
         return rows
     lens = np.asarray(seq_lens, dtype=np.int64)

@@ -169,10 +169,10 @@ def _joint(own: FlashRows, own_parts: "_RowParts", earlier_parts: "_RowParts"
     JOINT_OWN_KEYS keys (a span hit's question: one FlashAttention launch a layer, not two)."""
     if own.max_seqlen_q == 1:
         return _rows(*_joined(own_parts, earlier_parts))
-    singles = _one_query_each(own_parts)
-    if int(singles.key_lens.sum()) > JOINT_OWN_KEYS:
-        return None
-    return _rows(*_joined(singles, earlier_parts))
+    lens, keys = own_parts.query_lens, own_parts.key_lens
+    if int((lens * keys - lens * (lens - 1) // 2).sum()) > JOINT_OWN_KEYS:  # the single rows'
+        return None  # keys, counted before a long chunk's per-token arrays are built
+    return _rows(*_joined(_one_query_each(own_parts), earlier_parts))
 
 
 def _one_query_each(rows: "_RowParts") -> "_RowParts":

@@ -86,7 +86,12 @@ def tiering_needs_steps(manager: Any) -> bool:
     """Whether vLLM's tiering manager has work that only engine steps move on: a load
     (secondary -> CPU tier) that a request waits for, or cascade keys not yet handed to a
     tier. Stores already handed to a tier are not: its threads finish them alone. A shape
-    this does not know counts as the manager's own has_pending_work()."""
+    this does not know counts as the manager's own has_pending_work(), and so does a tier
+    with a back-pressure detector (0.32's `backpressure` option): it times a store from its
+    submission to its collection, so a store collected after an idle spell would read as
+    slow and turn the tier's stores off."""
+    if any(getattr(t, "bp_detector", None) is not None for t in manager.secondary_tiers):
+        return manager.has_pending_work()
     jobs = getattr(manager, "_jobs", None)  # 0.32
     if isinstance(jobs, dict):
         promotions = (getattr(m, "transfer_job", None) for m in jobs.values())

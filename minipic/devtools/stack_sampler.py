@@ -45,13 +45,16 @@ def start_from_env() -> None:
         _started = True
         _start_sampler()
         os.register_at_fork(after_in_child=_start_sampler)
-        atexit.register(lambda: _sampler.flush())
+        atexit.register(lambda: _sampler and _sampler.flush())
 
 
 def _start_sampler() -> None:
     """A sampler for this process; in a forked child it drops the parent's copy (and the
     parent's samples that came with it)."""
     global _sampler
+    if not os.environ.get(ENV_FOLDER):  # unset before a fork: the child is not sampled
+        _sampler = None
+        return
     interval_s = float(os.environ.get(ENV_INTERVAL_MS, "1")) / 1000
     _sampler = _Sampler(Path(os.environ[ENV_FOLDER]), interval_s)
     threading.Thread(target=_sampler.run, name="minipic-stack-sampler", daemon=True).start()

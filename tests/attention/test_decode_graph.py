@@ -169,3 +169,18 @@ def test_the_dispatch_patch_picks_the_full_graph_only_for_span_batches_that_fit(
     assert step(["s", "p"], dummy_run=True) == (CUDAGraphMode.FULL, 0)
     monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
     assert step(["s", "p"]) == (CUDAGraphMode.PIECEWISE, None)  # 4 > 2: past the capacity
+
+
+def test_a_prefill_plan_is_refused_even_as_one_call():
+    """A short prefill's rows go as one call of one-query rows (segment_plan._joint), like a
+    decode batch's; the graph still refuses it: its requests have more than one query."""
+    case = shared_documents_case(dtype=torch.float32, query_lens=(20, 1, 20))
+    plan = decode_plan(case)
+    assert plan.joint is not None
+    reqs = len(case.seq_lens)
+    rows = DecodeGraphRows(reqs + PADDING, case.block_table.shape[1], 4096, case.rotary_dim,
+                           case.is_neox, torch.device("cpu"))
+    table = torch.zeros(reqs + PADDING, case.block_table.shape[1], dtype=case.block_table.dtype)
+    table[:reqs] = case.block_table
+    with pytest.raises(ValueError, match="one query per request"):
+        rows.fill(reqs + PADDING, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)

@@ -618,3 +618,22 @@ def test_every_eviction_is_counted(tmp_path):
     [ns] = scan_store(tmp_path / "store")
     assert ns.counters["evicted_blocks"] == 4
     assert ns.counters["evicted_bytes"] == 4 * (block_file.HEADER_LEN + ROW)
+
+
+def test_a_block_evicted_before_its_store_is_collected_is_not_believed_stored(harness):
+    """The engine may idle between a store's write and the step that collects it
+    (idle_during_stores.py). A file evicted in between must be forgotten, or the next GPU
+    hit on the block would skip storing it again (SkipKnownBlocks) and it would stay lost."""
+    harness.rows[0] = 7
+    harness.tier.submit_store(harness.job([key(1)], [0]))
+    path = harness.tier.path_of(key(1))
+    deadline = time.monotonic() + 10
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    harness.tier.drain_jobs()  # written; nobody has collected the job
+    os.unlink(path)  # another replica's eviction
+    eviction.announce_removals(harness.tier.root_dir)
+    while key(1) in harness.tier.known_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)  # the watcher checks every second
+    assert [r.success for r in harness.tier.get_finished_jobs()] == [True]  # collected now
+    assert not harness.tier.holds(key(1))

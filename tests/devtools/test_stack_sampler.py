@@ -42,7 +42,7 @@ def test_samples_every_thread_inside_windows_only(tmp_path):
            "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, "-c", CHILD], env=env, check=True, timeout=60)
     assert not (tmp_path / "window-open").exists()
-    text = stack_summary.summary(tmp_path, top=5, interval_ms=2)
+    text = stack_summary.summary(tmp_path, top=5)
     assert "## busy: 1 windows" in text
     spinner = text[text.index("thread spinner"):]
     assert "spin_in_window" in spinner.split("thread ")[1]
@@ -82,7 +82,7 @@ def test_a_forked_child_is_sampled_too(tmp_path):
                                timeout=60, capture_output=True, text=True).stdout.strip()
     samples = (tmp_path / f"{child_pid}.samples.jsonl").read_text()
     assert "spin_in_forked_child" in samples
-    assert "spin_in_forked_child" in stack_summary.summary(tmp_path, top=5, interval_ms=2)
+    assert "spin_in_forked_child" in stack_summary.summary(tmp_path, top=5)
 
 
 def test_without_the_variable_nothing_is_written(tmp_path):

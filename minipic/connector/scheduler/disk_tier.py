@@ -315,6 +315,10 @@ class MiniPICDiskTier(SecondaryTierManager):
         path, rewrite = self.path_of(key), key in self._bad_keys
 
         def store() -> None:
+            # Known from here, not from when the scheduler collects the job: the engine may
+            # idle before that (idle_during_stores.py), and an eviction in between would
+            # find nothing to forget. Before the write, so the watcher can forget it too.
+            self.known_blocks.add([key])
             if not rewrite and os.path.exists(path):
                 eviction.touch(path)  # someone wrote it already: just record the use
                 self.counters.add(duplicate_blocks=1)
@@ -323,9 +327,11 @@ class MiniPICDiskTier(SecondaryTierManager):
             try:
                 block_file.write_block(path, self._namespace.digest, key, self._row(slot), flags,
                                        self._secret)
-            except OSError as e:
-                self._write_errors.put(e)
-                self.counters.add(store_failures=1)
+            except BaseException as e:
+                self.known_blocks.discard([key])
+                if isinstance(e, OSError):
+                    self._write_errors.put(e)
+                    self.counters.add(store_failures=1)
                 raise
             self.counters.add(stored_blocks=1, stored_bytes=self._row_bytes)
 
@@ -376,7 +382,7 @@ class MiniPICDiskTier(SecondaryTierManager):
             results.append(JobResult(job_id=job_id, success=success))
             if job is None:
                 continue
-            if success:
+            if success and not job.is_store:  # a store's tasks record their own keys
                 self.known_blocks.add(job.keys)
             if not job.is_store:
                 # Files to CPU tier, first submit to last block: how fast the store reads.
