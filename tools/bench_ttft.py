@@ -21,6 +21,8 @@ Each phase runs in its own process, as a restart would:
      minutes earlier, as after a restart on the same host); `cold:T` first drops the store's
      files from the page cache (posix_fadvise DONTNEED), so they come from the device;
      `warm:T:P` also sets the reader processes (`disk_read_processes`, 0 = threads only).
+`--paired` runs phases 1 and 2 in one process instead, both engines up (each on half the GPU
+memory share) and their timed prompts taking turns, so the host's drift weighs on both alike.
 TTFT = wall time of one request with max_tokens=1, requests one at a time, median of --repeats
 prompts. Every timed prompt has documents no other timed prompt of its phase uses, so a
 disk-phase prompt loads all its documents from the store (an earlier version reused one pool,
@@ -79,6 +81,10 @@ def main() -> None:
     parser.add_argument("--recipe", choices=sorted(RECIPES_BY_NAME), default="block_attention",
                         help="span prompt layout (epic recomputes one link block per document, "
                              "epic2 two, epic64 64 tokens' worth)")
+    parser.add_argument("--paired", action="store_true",
+                        help="stock and minipic's GPU hit in one process, their timed prompts "
+                             "taking turns (minipic.devtools.ttft_paired): the host's drift "
+                             "weighs on both alike. Rows tagged paired")
     parser.add_argument("--stack-samples", type=Path,
                         help="sample every thread of every process during each timed prompt "
                              "(minipic.devtools.stack_sampler) into this folder; "
@@ -87,6 +93,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.profile_dir and args.host_profile:
         parser.error("--profile-dir or --host-profile, not both")
+    if args.paired and (args.profile_dir or args.host_profile):
+        parser.error("--paired times prompts only: no --profile-dir or --host-profile")
     if args.stack_samples:  # the phases' processes inherit it, and start their samplers
         os.environ[ENV_FOLDER] = str(args.stack_samples.resolve())
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
@@ -94,7 +102,8 @@ def main() -> None:
                       disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb),
                       recipe=args.recipe,
                       minipic_options=minipic_option_pairs(args.minipic_option),
-                      profile_stack=args.profile_stack, host_profile_dir=args.host_profile)
+                      profile_stack=args.profile_stack, host_profile_dir=args.host_profile,
+                      paired=args.paired)
     report(results, args)
 
 

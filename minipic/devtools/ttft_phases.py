@@ -83,6 +83,7 @@ class Phase:
     read_threads: int | None = None  # disk phases: the disk tier's read threads
     read_processes: int | None = None  # and its reader processes (None: minipic's default)
     cold: bool = False  # drop the store's files from the page cache first
+    paired: bool = False  # stock and gpu-hit in one process, their prompts taking turns
 
     @classmethod
     def disk(cls, spec: str, index: int = 0) -> "Phase":
@@ -95,27 +96,21 @@ class Phase:
                    cold=kind == "cold")
 
 
-def phases_of(disk_specs: list[str]) -> list[Phase]:
-    return [Phase("stock", "stock", minipic=False), Phase("gpu-hit", "gpu-hit"),
-            *(Phase.disk(spec, i) for i, spec in enumerate(disk_specs))]
+def phases_of(disk_specs: list[str], paired: bool = False) -> list[Phase]:
+    first = [Phase("paired", "gpu-hit", paired=True)] if paired else [
+        Phase("stock", "stock", minipic=False), Phase("gpu-hit", "gpu-hit")]
+    return [*first, *(Phase.disk(spec, i) for i, spec in enumerate(disk_specs))]
 
 
-def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict,
-              profile_dir: str | None = None, profile_stack: bool = False,
-              host_profile_dir: str | None = None) -> dict:
-    """In this process: start one engine, time the final prompts."""
-    from minipic.devtools.host_profile import host_profile, run_engine_core_here
-
-    assert not (profile_dir and host_profile_dir), "the torch profiler or cProfile, not both"
-    if host_profile_dir:  # cProfile sees the engine core only in this process
-        run_engine_core_here()
+def start_engine(phase: Phase, model: str, engine: dict, connector: dict,
+                 profile_dir: str | None = None, profile_stack: bool = False):
+    """`phase`'s engine in this process, and its `run(prompts)` (one token each, greedy),
+    warmed up on one prompt so that kernels are compiled or loaded before any timing."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from minipic.config import connector_config
-    from minipic.connector.store.settle import wait_until_settled
 
-    phase = Phase(**phase)
     kwargs = dict(engine, model=model, enable_prefix_caching=True, seed=0)
     if profile_dir:
         kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir,
@@ -131,7 +126,27 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     run = lambda prompts: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                        params, use_tqdm=False)
-    run([[11] * 64])  # kernels compiled/loaded before timing
+    run([[11] * 64])
+    return llm, run
+
+
+def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict,
+              profile_dir: str | None = None, profile_stack: bool = False,
+              host_profile_dir: str | None = None) -> dict:
+    """In this process: start one engine, time the final prompts."""
+    from minipic.devtools.host_profile import host_profile, run_engine_core_here
+
+    assert not (profile_dir and host_profile_dir), "the torch profiler or cProfile, not both"
+    if host_profile_dir:  # cProfile sees the engine core only in this process
+        run_engine_core_here()
+    from minipic.connector.store.settle import wait_until_settled
+
+    phase = Phase(**phase)
+    if phase.paired:
+        from minipic.devtools.ttft_paired import run_paired
+
+        return {"phase": phase.name, "phases": run_paired(model, engine, connector, load)}
+    llm, run = start_engine(phase, model, engine, connector, profile_dir, profile_stack)
     if phase.prompts == "gpu-hit":
         run(load["prefills"])
         # Their blocks stream to the CPU tier and the store for seconds after the prefills:
@@ -141,16 +156,7 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
         run([final])
     points: dict[int, dict] = {}
     for docs, final in load["finals"][phase.prompts]:
-        point = points.setdefault(docs, {"docs": docs, "ttft_s": [], "cached_tokens": [],
-                                         "prompt_tokens": len(final)})
-        # max_tokens=1: the seconds to the answer are the seconds to its first token.
-        with sample_window(f"{phase.name} docs={docs}"):
-            ttft, [out] = timed(run, [final])
-        point["ttft_s"].append(ttft)
-        point["cached_tokens"].append(out.num_cached_tokens)
-        if not phase.minipic:  # the same prompt again: stock's own full prefix-cache hit
-            with sample_window(f"stock-rerun docs={docs}"):
-                point.setdefault("rerun_ttft_s", []).append(timed(run, [final])[0])
+        time_final(points, phase.name, run, docs, final, rerun=not phase.minipic)
     if profile_dir or host_profile_dir:  # one more max-size prompt on fresh documents
         profiled = load["profiled"][phase.prompts]
         if not phase.minipic:  # stock: its own full prefix hit, the floor a hit is held to
@@ -164,24 +170,46 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
                               f"{phase.name}: one prompt of {len(profiled)} tokens"):
                 run([profiled])
     llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
+    return phase_result(phase.name, points, in_process=bool(host_profile_dir))
+
+
+def time_final(points: dict[int, dict], name: str, run, docs: int, final: list[int],
+               rerun: bool) -> None:
+    """One timed final prompt into points[docs]; `rerun`: then the same prompt again, stock's
+    own full prefix-cache hit (as `rerun_ttft_s`)."""
+    point = points.setdefault(docs, {"docs": docs, "ttft_s": [], "cached_tokens": [],
+                                     "prompt_tokens": len(final)})
+    # max_tokens=1: the seconds to the answer are the seconds to its first token.
+    with sample_window(f"{name} docs={docs}"):
+        ttft, [out] = timed(run, [final])
+    point["ttft_s"].append(ttft)
+    point["cached_tokens"].append(out.num_cached_tokens)
+    if rerun:
+        with sample_window(f"stock-rerun docs={docs}"):
+            point.setdefault("rerun_ttft_s", []).append(timed(run, [final])[0])
+
+
+def phase_result(name: str, points: dict[int, dict], **tags) -> dict:
+    """A phase's points with their medians. An in-process engine (--host-profile) is timed
+    too, but not as a benchmark's is; nor is one whose timed requests were stack-sampled:
+    the tags say so."""
     for point in points.values():
         for series in ("ttft_s", "rerun_ttft_s"):
             if series in point:
                 point[f"median_{series}"] = statistics.median(point[series])
-    # An in-process engine (host_profile_dir) is timed too, but not as a benchmark's is;
-    # nor is one whose timed requests were stack-sampled.
-    return {"phase": phase.name, "points": list(points.values()),
-            "in_process": bool(host_profile_dir),
-            "stack_sampled": bool(os.environ.get(ENV_FOLDER))}
+    return {"phase": name, "points": list(points.values()), "in_process": False,
+            "stack_sampled": bool(os.environ.get(ENV_FOLDER)), **tags}
 
 
 def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
             save=lambda results: None, profile_dir: Path | None = None,
             disk_phases: list[str] = ("warm:4",), cpu_bytes: int | None = None,
             recipe: str = "block_attention", minipic_options: dict | None = None,
-            profile_stack: bool = False, host_profile_dir: Path | None = None) -> list[dict]:
+            profile_stack: bool = False, host_profile_dir: Path | None = None,
+            paired: bool = False) -> list[dict]:
     """All phases, each in its own process; `save(results)` after each (a late failure keeps
-    the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}."""
+    the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}.
+    `paired`: stock and gpu-hit run in one process, prompt by prompt (ttft_paired.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         model, engine, markers = make_model(arch, Path(tmp))
         needed = final_prompt_tokens(doc_counts, doc_tokens, engine["block_size"]) + 64
@@ -189,9 +217,9 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
         needed += max(64, 2 * engine["block_size"]) * max(doc_counts)
         engine["max_model_len"] = max(engine["max_model_len"], needed)
         engine["enforce_eager"] = engine.get("enforce_eager", False) or eager
-        phases = phases_of(list(disk_phases))
+        phases = phases_of(list(disk_phases), paired)
         load = workload(arch, doc_counts, doc_tokens, repeats, engine["block_size"], markers,
-                        [phase.prompts for phase in phases], recipe)
+                        [phase.prompts for phase in phases] + ["stock"] * paired, recipe)
         child = Path(tmp) / "child.json"  # token lists: too long for a command line
         store = f"{tmp}/store"
         child.write_text(json.dumps(dict(model=model, engine=engine, load=load,
@@ -211,7 +239,7 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
             if before is not None:
                 after = load_counters(store)
                 result["store_loads"] = {k: after[k] - before[k] for k in after}
-            results.append(result)
+            results.extend(result.get("phases", [result]))  # a paired phase holds two
             save(results)
     return results
 

@@ -40,3 +40,9 @@ def test_every_timed_prompt_has_documents_of_its_own():
 def test_load_counters_of_a_store_not_written_yet(tmp_path):
     assert load_counters(str(tmp_path / "store")) == dict.fromkeys(
         ("load_jobs", "load_us", "hit_blocks", "hit_bytes"), 0)
+
+
+def test_paired_phases_run_stock_and_the_hit_in_one_process():
+    phases = phases_of(["warm:4"], paired=True)
+    assert [p.name for p in phases] == ["paired", "disk-warm-t4"]
+    assert phases[0].paired and phases[0].minipic and phases[0].prompts == "gpu-hit"

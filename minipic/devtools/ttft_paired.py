@@ -1,0 +1,37 @@
+"""tools/bench_ttft.py --paired: stock vLLM and minipic's GPU hit in one process, their timed
+prompts taking turns, so that the host's drift over a run (stock's own full prefix hit moved
+from 33 to 50 ms within one phase on the H200) and between hosts weighs on both alike.
+
+Both engines share the GPU (each gets half of the usual memory share) and are started
+before anything is timed. Then for each timed prompt: stock's recompute of its final prompt,
+its rerun (stock's own full prefix hit) and minipic's hit on the same documents. The
+results are the two phases' ("stock", "gpu-hit"), tagged `paired`.
+"""
+
+from __future__ import annotations
+
+from minipic.connector.store.settle import wait_until_settled
+from minipic.devtools.ttft_phases import Phase, phase_result, start_engine, time_final
+
+
+def run_paired(model: str, engine: dict, connector: dict, load: dict) -> list[dict]:
+    half = dict(engine, gpu_memory_utilization=engine["gpu_memory_utilization"] / 2)
+    stock_llm, stock = start_engine(Phase("stock", "stock", minipic=False), model, half,
+                                    connector)
+    hit_llm, hit = start_engine(Phase("gpu-hit", "gpu-hit"), model, half, connector)
+    hit(load["prefills"])
+    wait_until_settled(connector["store_dir"], quiet_s=2.0)  # as run_phase: no store traffic
+    for final in load["warmups"]["stock"]:
+        stock([final])
+    for final in load["warmups"]["gpu-hit"]:
+        hit([final])
+    stock_points: dict[int, dict] = {}
+    hit_points: dict[int, dict] = {}
+    for (docs, stock_final), (_, hit_final) in zip(load["finals"]["stock"],
+                                                  load["finals"]["gpu-hit"]):
+        time_final(stock_points, "stock", stock, docs, stock_final, rerun=True)
+        time_final(hit_points, "gpu-hit", hit, docs, hit_final, rerun=False)
+    stock_llm.llm_engine.engine_core.shutdown()
+    hit_llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
+    return [phase_result("stock", stock_points, paired=True),
+            phase_result("gpu-hit", hit_points, paired=True)]
