@@ -488,6 +488,7 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
     for (run, rate), rows in sorted(groups.items()):
         base = {r["config"]: r["samples_per_s"] for r in rows if r["config"] in ("1", "2")}
         ratio = lambda r, k: f"{r['samples_per_s'] / base[k]:.2f}x" if k in base else "-"
+        stock = next((r for r in rows if r["config"] == "2"), None)
         where = f", run {run}" if run else ""
         window = rows[0].get("repeat_window")
         where += f", repeats from the {window} newest documents" if window else ""
@@ -497,8 +498,10 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
                       f"{where}, {rows[0]['samples']} samples",
                   "", "| # | configuration | strategy | max_num_seqs | attention | samples/s | "
                   "vs (1) | vs (2) | cached / prompt tokens (expected) | spans prefilled "
-                  "(already cached) | computed tokens / sample | failed |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "(already cached) | computed tokens / sample | bound vs (2) | of bound | "
+                  "failed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+                  "| --- |"]
         for r in rows:
             expected = r.get("expected_cached_tokens")
             spans = (f"{r['span_prefills']} ({r['spans_already_cached']})"
@@ -507,9 +510,21 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
                          f"{r['attention']} | {r['samples_per_s']:.2f} | {ratio(r, '1')} | "
                          f"{ratio(r, '2')} | {r['cached_tokens']} / {r['prompt_tokens']}"
                          f"{'' if expected is None else f' ({expected})'} | {spans} | "
-                         f"{r.get('computed_tokens', 0) / r['samples']:.0f} | {r['failed']} |")
+                         f"{r.get('computed_tokens', 0) / r['samples']:.0f} | "
+                         f"{bound_columns(r, stock)} | {r['failed']} |")
         lines += [store_line(r) for r in rows if "store_after" in r]
     return "\n".join(lines) + "\n"
+
+
+def bound_columns(row: dict, stock: dict | None) -> str:
+    """`bound | of bound`: the speed-up over stock FA3 (config 2) that computed tokens alone
+    allow (its computed tokens per sample / this row's), and how much of it the row reached
+    (issue 15's ISPS goal: 0.95 of it)."""
+    if stock is None or not row.get("computed_tokens") or not stock.get("computed_tokens"):
+        return "- | -"
+    bound = (stock["computed_tokens"] / stock["samples"]) / (row["computed_tokens"] / row["samples"])
+    reached = row["samples_per_s"] / stock["samples_per_s"]
+    return f"{bound:.2f}x | {reached / bound:.2f}"
 
 
 def store_line(row: dict) -> str:
