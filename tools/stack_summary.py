@@ -47,8 +47,8 @@ def read_process(path: Path) -> tuple[str, dict[int, list[str]], list[dict]]:
 
 
 def in_windows(samples: list[dict], windows: list[tuple[float, float]]) -> list[dict]:
-    starts = [start for start, _ in sorted(windows)]
-    ends = [end for _, end in sorted(windows)]
+    ordered = sorted(windows)
+    starts, ends = [start for start, _ in ordered], [end for _, end in ordered]
     picked = []
     for sample in samples:
         i = bisect.bisect_right(starts, sample["t"]) - 1

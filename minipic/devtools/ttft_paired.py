@@ -10,8 +10,7 @@ results are the two phases' ("stock", "gpu-hit"), tagged `paired`.
 
 from __future__ import annotations
 
-from minipic.connector.store.settle import wait_until_settled
-from minipic.devtools.ttft_phases import Phase, phase_result, start_engine, time_final
+from minipic.devtools.ttft_phases import Phase, phase_result, start_engine, time_final, warm_up
 
 
 def run_paired(model: str, engine: dict, connector: dict, load: dict) -> list[dict]:
@@ -19,12 +18,8 @@ def run_paired(model: str, engine: dict, connector: dict, load: dict) -> list[di
     stock_llm, stock = start_engine(Phase("stock", "stock", minipic=False), model, half,
                                     connector)
     hit_llm, hit = start_engine(Phase("gpu-hit", "gpu-hit"), model, half, connector)
-    hit(load["prefills"])
-    wait_until_settled(connector["store_dir"], quiet_s=2.0)  # as run_phase: no store traffic
-    for final in load["warmups"]["stock"]:
-        stock([final])
-    for final in load["warmups"]["gpu-hit"]:
-        hit([final])
+    warm_up(hit, load, "gpu-hit", connector)
+    warm_up(stock, load, "stock", connector)
     stock_points: dict[int, dict] = {}
     hit_points: dict[int, dict] = {}
     for (docs, stock_final), (_, hit_final) in zip(load["finals"]["stock"],

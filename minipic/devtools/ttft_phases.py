@@ -139,21 +139,13 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
     assert not (profile_dir and host_profile_dir), "the torch profiler or cProfile, not both"
     if host_profile_dir:  # cProfile sees the engine core only in this process
         run_engine_core_here()
-    from minipic.connector.store.settle import wait_until_settled
-
     phase = Phase(**phase)
     if phase.paired:
         from minipic.devtools.ttft_paired import run_paired
 
         return {"phase": phase.name, "phases": run_paired(model, engine, connector, load)}
     llm, run = start_engine(phase, model, engine, connector, profile_dir, profile_stack)
-    if phase.prompts == "gpu-hit":
-        run(load["prefills"])
-        # Their blocks stream to the CPU tier and the store for seconds after the prefills:
-        # time the hits once that traffic is over, not against it.
-        wait_until_settled(connector["store_dir"], quiet_s=2.0)
-    for final in load["warmups"][phase.prompts]:
-        run([final])
+    warm_up(run, load, phase.prompts, connector)
     points: dict[int, dict] = {}
     for docs, final in load["finals"][phase.prompts]:
         time_final(points, phase.name, run, docs, final, rerun=not phase.minipic)
@@ -171,6 +163,20 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
                 run([profiled])
     llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
     return phase_result(phase.name, points, in_process=bool(host_profile_dir))
+
+
+def warm_up(run, load: dict, prompts: str, connector: dict) -> None:
+    """Before timing: the gpu-hit set's span prefills (and their traffic over), then the
+    set's warm-up prompts (the same kinds of steps on other documents)."""
+    from minipic.connector.store.settle import wait_until_settled
+
+    if prompts == "gpu-hit":
+        run(load["prefills"])
+        # Their blocks stream to the CPU tier and the store for seconds after the prefills:
+        # time the hits once that traffic is over, not against it.
+        wait_until_settled(connector["store_dir"], quiet_s=2.0)
+    for final in load["warmups"][prompts]:
+        run([final])
 
 
 def time_final(points: dict[int, dict], name: str, run, docs: int, final: list[int],
