@@ -1,7 +1,7 @@
 """Summarise stack samples (minipic.devtools.stack_sampler): where each thread of each process
 spent the sampled windows, e.g. one timed request.
 
-    MINIPIC_STACK_SAMPLES=/tmp/samples python3 tools/bench_ttft.py ... --stack-samples
+    python3 tools/bench_ttft.py ... --stack-samples /tmp/samples   # or MINIPIC_STACK_SAMPLES=...
     python3 tools/stack_summary.py /tmp/samples > summary.txt
 
 Windows are grouped by name (`gpu-hit docs=40`): for each group, each process and thread, the
@@ -76,9 +76,9 @@ def thread_report(samples: list[dict], stacks: dict[int, list[str]], top: int) -
     sampled = [stacks[s["stack"]] for s in samples]
     shared = common_prefix(sampled)
     lines = [f"    in: {' > '.join(shared[-3:])}"]
-    own = collections.Counter(stack[-1] for stack in sampled)
     if len(shared) == min(len(stack) for stack in sampled):  # all in one place: idle
         return lines
+    own = collections.Counter(stack[-1] for stack in sampled)
     n = len(samples)
     inclusive = collections.Counter()
     for stack in sampled:

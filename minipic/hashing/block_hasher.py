@@ -87,14 +87,19 @@ class SpanBlockHasher:
             return self.hash_fn((self.seed, "minipic-pdep", tuple(previous)))
         return previous[-1] if previous else self.seed
 
+    def plain_hash(self, tokens: Sequence[int], previous: Sequence[bytes],
+                   extra_keys: tuple | None) -> bytes:
+        """A block that starts no segment: chained on its predecessor, as stock vLLM does."""
+        return self.hash_block_tokens(self.hash_fn, previous[-1] if previous else self.seed,
+                                      tokens, extra_keys)
+
     def hash_block(self, tokens: Sequence[int], previous: Sequence[bytes],
                    extra_keys: tuple | None, cache_salt: str | None,
                    in_prompt: bool = True) -> bytes:
         """`extra_keys` of a marker block must come without vLLM's block-0 salt."""
         # Markers act in prompts only: generated tokens are never a span boundary.
         if not in_prompt or tokens[0] not in self.markers:
-            parent = previous[-1] if previous else self.seed
-            return self.hash_block_tokens(self.hash_fn, parent, tokens, extra_keys)
+            return self.plain_hash(tokens, previous, extra_keys)
         if cache_salt:  # every chain reset carries the tenant's salt again
             extra_keys = (*(extra_keys or ()), ("minipic-cache-salt", cache_salt))
         parent = self.parent_of(tokens[0], previous)
@@ -137,12 +142,8 @@ def make_request_block_hasher(protocol: SpanProtocol, hash_block_size: int,
             # mm_idx restarts at 0 here; vLLM skips ahead only as an optimisation.
             extra_keys, mm_idx = kcu.generate_block_hash_extra_keys(
                 _WithoutSalt(request) if marker else request, start, end, mm_idx)
-            if marker:
-                block_hash = hasher.hash_block(tokens, hashes, extra_keys, request.cache_salt)
-            else:  # hash_block's plain case, inline
-                block_hash = kcu.hash_block_tokens(hasher.hash_fn,
-                                                   hashes[-1] if hashes else hasher.seed,
-                                                   tokens, extra_keys)
+            block_hash = (hasher.hash_block(tokens, hashes, extra_keys, request.cache_salt)
+                          if marker else hasher.plain_hash(tokens, hashes, extra_keys))
             hashes.append(kcu.BlockHash(block_hash))
             start = end
         return hashes[first_new:]
