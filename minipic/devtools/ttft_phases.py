@@ -145,6 +145,8 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
 
         return {"phase": phase.name, "phases": run_paired(model, engine, connector, load)}
     llm, run = start_engine(phase, model, engine, connector, profile_dir, profile_stack)
+    if phase.prompts == "gpu-hit":
+        check_gpu_holds(llm, load, engine["block_size"])
     warm_up(run, load, phase.prompts, connector)
     points: dict[int, dict] = {}
     for docs, final in load["finals"][phase.prompts]:
@@ -163,6 +165,30 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
                 run([profiled])
     llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
     return phase_result(phase.name, points, in_process=bool(host_profile_dir))
+
+
+class GpuTooSmallError(RuntimeError):
+    """The gpu-hit engine's KV cache cannot hold the documents its timed prompts hit."""
+
+
+def gpu_blocks_needed(load: dict, block_size: int) -> int:
+    """KV blocks the gpu-hit engine holds at once: every prefilled span and a final prompt."""
+    blocks = lambda tokens: -(-len(tokens) // block_size)
+    longest = max((final for finals in load["finals"].values() for _, final in finals), key=len)
+    return sum(map(blocks, load["prefills"])) + blocks(longest)
+
+
+def check_gpu_holds(llm, load: dict, block_size: int) -> None:
+    """Refuse a gpu-hit phase whose KV cache cannot hold every prefilled span at once: its
+    timed prompts would load evicted documents back from the CPU tier and be timed as GPU
+    hits (a paired run on half the GPU took 185 ms where the documents fit took 50)."""
+    needed = gpu_blocks_needed(load, block_size)
+    held = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0
+    if held < needed:
+        raise GpuTooSmallError(
+            f"the gpu-hit engine's KV cache holds {held} blocks of {block_size} tokens; its "
+            f"prompts' documents need {needed}: time fewer --repeats or one --docs count at "
+            f"a time")
 
 
 def warm_up(run, load: dict, prompts: str, connector: dict) -> None:

@@ -3,8 +3,13 @@ workload whose timed prompts each have documents of their own."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+
 from minipic.devtools.bench_setup import TINY_MARKERS
-from minipic.devtools.ttft_phases import load_counters, phases_of, workload
+from minipic.devtools.ttft_phases import (GpuTooSmallError, check_gpu_holds, gpu_blocks_needed,
+                                          load_counters, phases_of, workload)
 
 
 def test_phases_of_disk_specs():
@@ -46,3 +51,20 @@ def test_paired_phases_run_stock_and_the_hit_in_one_process():
     phases = phases_of(["warm:4"], paired=True)
     assert [p.name for p in phases] == ["paired", "disk-warm-t4"]
     assert phases[0].paired and phases[0].minipic and phases[0].prompts == "gpu-hit"
+
+
+def test_a_gpu_hit_phase_whose_cache_cannot_hold_its_documents_is_refused():
+    """A paired run's first layout gave the hit engine half the GPU: evicted documents came
+    back from the CPU tier and were timed as GPU hits (185 ms for a 50 ms hit)."""
+    block = 32
+    load = workload("tiny", [1, 2], 40, 2, block, TINY_MARKERS, ["gpu-hit"])
+    needed = gpu_blocks_needed(load, block)
+    # the system prompt's prefill and 10 documents' (6 timed, 2 for warm-up, 2 for
+    # profiling), two blocks each, and the longest final prompt
+    longest = max(len(final) for _, final in load["finals"]["gpu-hit"])
+    assert needed == 11 * 2 + -(-longest // block)
+    engine_with = lambda blocks: SimpleNamespace(llm_engine=SimpleNamespace(
+        vllm_config=SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=blocks))))
+    check_gpu_holds(engine_with(needed), load, block)
+    with pytest.raises(GpuTooSmallError, match=f"holds {needed - 1} blocks .* need {needed}"):
+        check_gpu_holds(engine_with(needed - 1), load, block)
