@@ -24,7 +24,8 @@ Each phase runs in its own process, as a restart would:
 `--paired` runs phases 1 and 2 in one process instead, both engines up (each on half the GPU
 memory share) and their timed prompts taking turns, so the host's drift weighs on both alike.
 TTFT = wall time of one request with max_tokens=1, requests one at a time, median of --repeats
-prompts. Every timed prompt has documents no other timed prompt of its phase uses, so a
+prompts, split into stages by vLLM's request timestamps (minipic.devtools.request_stages: the
+way to the scheduler's queue, the wait to be scheduled, the step, the way back). Every timed prompt has documents no other timed prompt of its phase uses, so a
 disk-phase prompt loads all its documents from the store (an earlier version reused one pool,
 and after the first prompt the disk-warm phase measured GPU hits). The gpu-hit phase prefills
 and keeps sum(--docs) x --repeats documents, plus twice max(--docs) (warm-up and profiled).
@@ -50,6 +51,7 @@ from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, add_minipic_option, disk_phase_list, gib, int_list,
     minipic_option_pairs)
+from minipic.devtools.request_stages import STAGES  # noqa: E402
 from minipic.devtools.stack_sampler import ENV_FOLDER  # noqa: E402
 from minipic.devtools.ttft_phases import measure  # noqa: E402
 
@@ -124,15 +126,18 @@ def report(results: list[dict], args) -> None:
         stock = point["stock"]["median_ttft_s"]
         print(f"{docs} documents x {args.doc_tokens} tokens, {args.arch}, "
               f"median of {args.repeats} final prompts")
-        print("| phase | median TTFT (ms) | cached tokens / prompt tokens | speed-up vs stock |")
-        print("| --- | --- | --- | --- |")
-        rows = [(phase, p["median_ttft_s"], p) for phase, p in point.items()]
+        print("| phase | median TTFT (ms) | cached tokens / prompt tokens | speed-up vs stock | "
+              + " | ".join(STAGES) + " (medians, ms) |")
+        print("| --- | --- | --- | --- |" + " --- |" * len(STAGES))
+        rows = [(phase, p["median_ttft_s"], p, p.get("median_stages_s"))
+                for phase, p in point.items()]
         rows.insert(1, ("stock rerun (full prefix hit)", point["stock"]["median_rerun_ttft_s"],
-                        None))
-        for name, ttft, p in rows:
+                        None, point["stock"].get("median_rerun_stages_s")))
+        for name, ttft, p, stages in rows:
             cached = f"{min(p['cached_tokens'])}-{max(p['cached_tokens'])} / {p['prompt_tokens']}" \
                 if p else "-"
-            print(f"| {name} | {ttft * 1e3:.1f} | {cached} | {stock / ttft:.1f}x |")
+            split = " | ".join(f"{stages[s] * 1e3:.1f}" if stages else "-" for s in STAGES)
+            print(f"| {name} | {ttft * 1e3:.1f} | {cached} | {stock / ttft:.1f}x | {split} |")
         hit = point["gpu-hit"]["median_ttft_s"]
         for name, p in point.items():
             if name.startswith("disk"):

@@ -19,10 +19,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from minipic.devtools.bench_setup import connector_extra, make_model, random_words, split_disk_phase
 from minipic.devtools.page_cache import drop_from_page_cache
+from minipic.devtools.request_stages import STAGES, request_stages
 from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window
 from minipic.devtools.store_totals import store_totals
 from minipic.devtools.timing import timed
@@ -111,7 +113,9 @@ def start_engine(phase: Phase, model: str, engine: dict, connector: dict,
 
     from minipic.config import connector_config
 
-    kwargs = dict(engine, model=model, enable_prefix_caching=True, seed=0)
+    # stats on: each output's engine timestamps split its TTFT (request_stages.py)
+    kwargs = dict(engine, model=model, enable_prefix_caching=True, seed=0,
+                  disable_log_stats=False)
     if profile_dir:
         kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir,
                                      "torch_profiler_with_stack": profile_stack}
@@ -211,14 +215,23 @@ def time_final(points: dict[int, dict], name: str, run, docs: int, final: list[i
     own full prefix-cache hit (as `rerun_ttft_s`)."""
     point = points.setdefault(docs, {"docs": docs, "ttft_s": [], "cached_tokens": [],
                                      "prompt_tokens": len(final)})
-    # max_tokens=1: the seconds to the answer are the seconds to its first token.
-    with sample_window(f"{name} docs={docs}"):
-        ttft, [out] = timed(run, [final])
-    point["ttft_s"].append(ttft)
+    out = _time_one(point, "", f"{name} docs={docs}", run, final)
     point["cached_tokens"].append(out.num_cached_tokens)
     if rerun:
-        with sample_window(f"stock-rerun docs={docs}"):
-            point.setdefault("rerun_ttft_s", []).append(timed(run, [final])[0])
+        _time_one(point, "rerun_", f"stock-rerun docs={docs}", run, final)
+
+
+def _time_one(point: dict, series: str, window: str, run, final: list[int]):
+    """One request timed into point[series + "ttft_s"], its stages (request_stages.py) into
+    point[series + "stages_s"]; returns its output."""
+    # max_tokens=1: the seconds to the answer are the seconds to its first token.
+    with sample_window(window):
+        begin = time.monotonic()
+        ttft, [out] = timed(run, [final])
+        end = time.monotonic()
+    point.setdefault(f"{series}ttft_s", []).append(ttft)
+    point.setdefault(f"{series}stages_s", []).append(request_stages(begin, end, out.metrics))
+    return out
 
 
 def phase_result(name: str, points: dict[int, dict], **tags) -> dict:
@@ -226,11 +239,19 @@ def phase_result(name: str, points: dict[int, dict], **tags) -> dict:
     too, but not as a benchmark's is; nor is one whose timed requests were stack-sampled:
     the tags say so."""
     for point in points.values():
-        for series in ("ttft_s", "rerun_ttft_s"):
-            if series in point:
-                point[f"median_{series}"] = statistics.median(point[series])
+        for series in ("", "rerun_"):
+            if f"{series}ttft_s" in point:
+                point[f"median_{series}ttft_s"] = statistics.median(point[f"{series}ttft_s"])
+                point[f"median_{series}stages_s"] = median_stages(point[f"{series}stages_s"])
     return {"phase": name, "points": list(points.values()), "in_process": False,
             "stack_sampled": bool(os.environ.get(ENV_FOLDER)), **tags}
+
+
+def median_stages(stages: list[dict | None]) -> dict[str, float] | None:
+    """Each stage's median over the requests that have all of them (None if one has not)."""
+    if not stages or None in stages:
+        return None
+    return {stage: statistics.median(s[stage] for s in stages) for stage in STAGES}
 
 
 def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eager: bool,
