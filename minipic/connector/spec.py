@@ -63,7 +63,7 @@ class MiniPICOffloadingSpec(TieringOffloadingSpec):
             disk = [t for t in getattr(manager, "secondary_tiers", ())
                     if isinstance(t, MiniPICDiskTier)]
             self._minipic_manager = SkipKnownBlocks(IdleDuringDiskStores(manager),
-                                                    disk[0].holds) if disk else manager
+                                                    disk[0].not_held) if disk else manager
         return self._minipic_manager
 
     def get_worker(self, kv_caches: Any) -> Any:

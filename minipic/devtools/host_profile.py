@@ -20,7 +20,8 @@ def run_engine_core_here() -> None:
 
 @contextlib.contextmanager
 def host_profile(path: Path, title: str):
-    """Profile the block; its stats to `path`: `title`, then by own time and cumulative."""
+    """Profile the block; its stats to `path`: `title`, then by own time and cumulative;
+    the raw stats beside it (`.prof`, for pstats' callers and callees)."""
     profile = cProfile.Profile()
     profile.enable()
     try:
@@ -34,3 +35,4 @@ def host_profile(path: Path, title: str):
         stats.sort_stats("cumulative").print_stats(80)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text.getvalue())
+        profile.dump_stats(path.with_suffix(".prof"))

@@ -45,7 +45,8 @@ def build_tokenizer(path: Path):
 
 def build_tiny_llama(path: str | Path, *, head_dim: int = 32, num_heads: int = 4,
                      num_kv_heads: int = 2, num_layers: int = 2, seed: int = 0,
-                     rope_scaling: dict | None = None, **config_overrides) -> Path:
+                     rope_scaling: dict | None = None, max_position_embeddings: int = 4096,
+                     **config_overrides) -> Path:
     """Write a random Llama (fp32) plus tokenizer into `path`; returns the path."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -57,7 +58,7 @@ def build_tiny_llama(path: str | Path, *, head_dim: int = 32, num_heads: int = 4
         vocab_size=len(tokenizer), hidden_size=head_dim * num_heads,
         intermediate_size=4 * head_dim * num_heads, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        max_position_embeddings=4096, rope_theta=10000.0, rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings, rope_theta=10000.0, rope_scaling=rope_scaling,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         torch_dtype="float32", tie_word_embeddings=False, **config_overrides,
     )

@@ -131,6 +131,9 @@ def test_bad_file_is_never_loaded_and_becomes_a_miss(harness, damage):
     assert key(1) not in harness.tier.known_blocks  # so its recomputation is stored again
     harness.tier.known_blocks.add([key(1)])  # a lookup that raced the failed load
     assert not harness.tier.holds(key(1))  # the reject still wins until the block is rewritten
+    assert harness.run(harness.tier.submit_store, [key(2)], [1])
+    # the stores' filter (SkipKnownBlocks) asks for a request's blocks at once, in order
+    assert harness.tier.not_held([key(3), key(2), key(1)]) == [key(3), key(1)]
     harness.rows[0] = 8  # recomputed block is written again and trusted again
     assert harness.run(harness.tier.submit_store, [key(1)], [0])
     assert harness.tier.holds(key(1))
@@ -402,6 +405,13 @@ def test_span_head_keys():
     tokens = [3] + [9] * 31 + [9] * 32 + [3] + [9] * 31
     keys = span_head_keys(tokens, [b"a", b"b", b"c"], 32, ssep_token_id=3)
     assert keys == [make_offload_key(b"a", 0), make_offload_key(b"c", 0)]
+    # a request's own tokens (vLLM's ConstantList), its partial last block (no hash) left out
+    from vllm.v1.utils import ConstantList
+
+    partial = ConstantList(tokens + [3] + [9] * 5)
+    assert span_head_keys(partial, [b"a", b"b", b"c"], 32, 3, group_ids=(0, 1)) == [
+        make_offload_key(b"a", 0), make_offload_key(b"a", 1),
+        make_offload_key(b"c", 0), make_offload_key(b"c", 1)]
 
 
 def test_an_unlimited_store_sweeps_dead_writers_temp_files_at_start(tmp_path):

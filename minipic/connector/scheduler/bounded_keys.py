@@ -37,6 +37,13 @@ class BoundedKeys:
         with self._lock:
             return list(self._keys)
 
+    def missing(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """The keys not in the set, in order (one lock for all: a request's thousands of
+        blocks are checked on the scheduler's critical path)."""
+        known = self._keys
+        with self._lock:
+            return [key for key in keys if key not in known]
+
     def __contains__(self, key: object) -> bool:
         with self._lock:
             return key in self._keys

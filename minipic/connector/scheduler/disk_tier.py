@@ -238,6 +238,16 @@ class MiniPICDiskTier(SecondaryTierManager):
         `_bad_keys` wins: a lookup that raced a failed load may have re-added the key."""
         return key in self.known_blocks and key not in self._bad_keys
 
+    def not_held(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """The keys `holds` is False for, in order: one pass over a request's blocks."""
+        keys = list(keys)
+        unknown = self.known_blocks.missing(keys)
+        if not self._bad_keys:
+            return unknown
+        bad = set(self._bad_keys)  # the I/O threads may add to it meanwhile
+        missing = set(unknown)
+        return [key for key in keys if key in missing or key in bad]
+
     def path_of(self, key: OffloadKey) -> str:
         assert self._ns_dir is not None
         return block_path(self._ns_dir, get_offload_block_hash(key), get_offload_group_idx(key))

@@ -18,7 +18,7 @@ or device) instead of the CPU tier.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey, PrepareStoreOutput, ReqContext
@@ -42,13 +42,14 @@ class SkipKnownBlocks:
     "nothing to store for this request"; it then advances past these blocks.
     """
 
-    def __init__(self, manager: Any, on_disk: Callable[[OffloadKey], bool]):
+    def __init__(self, manager: Any,
+                 not_on_disk: Callable[[Iterable[OffloadKey]], list[OffloadKey]]):
         self._manager = manager
-        self._on_disk = on_disk
+        self._not_on_disk = not_on_disk  # the keys without a known file, in order
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
-        new_keys = [k for k in keys if not self._on_disk(k)]
+        new_keys = self._not_on_disk(keys)
         if not new_keys:
             return PrepareStoreOutput(keys_to_store=[], store_spec=None, evicted_keys=[])
         return self._manager.prepare_store(new_keys, req_context)

@@ -24,7 +24,9 @@ def span_head_keys(token_ids: Sequence[int], block_hashes: Sequence[Any], block_
                    ssep_token_id: int, group_ids: Iterable[int] = (0,)) -> list[OffloadKey]:
     """Keys (for every offloaded KV group) of the full blocks that start with SSep."""
     groups = tuple(group_ids)
+    # every block's first token by one slice (a request's tokens are a vLLM ConstantList,
+    # whose per-item reads cost a call each); zip stops at the shorter of the two
+    firsts = token_ids[::block_size]
     return [make_offload_key(bytes(h), g)
-            for i, h in enumerate(block_hashes)
-            if i * block_size < len(token_ids) and token_ids[i * block_size] == ssep_token_id
+            for first, h in zip(firsts, block_hashes) if first == ssep_token_id
             for g in groups]
