@@ -15,9 +15,10 @@ def register() -> None:
     if _registered:
         return
     from minipic import _vllm_patches
-    from minipic.devtools.stack_sampler import start_from_env
+    from minipic.devtools import gc_pauses, stack_sampler
 
-    start_from_env()  # only with MINIPIC_STACK_SAMPLES set (a benchmark's profile)
+    stack_sampler.start_from_env()  # only with MINIPIC_STACK_SAMPLES set (a benchmark's profile)
+    gc_pauses.start_from_env()  # only with MINIPIC_GC_PAUSES set
 
     _vllm_patches.apply_all()
     _registered = True

@@ -51,6 +51,7 @@ from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, add_minipic_option, disk_phase_list, gib, int_list,
     minipic_option_pairs)
+from minipic.devtools import gc_pauses  # noqa: E402
 from minipic.devtools.request_stages import STAGES  # noqa: E402
 from minipic.devtools.stack_sampler import ENV_FOLDER  # noqa: E402
 from minipic.devtools.ttft_phases import measure  # noqa: E402
@@ -91,6 +92,10 @@ def main() -> None:
                         help="sample every thread of every process during each timed prompt "
                              "(minipic.devtools.stack_sampler) into this folder; "
                              "tools/stack_summary.py reads it. Rows tagged stack_sampled")
+    parser.add_argument("--gc-pauses", type=Path,
+                        help="record Python's garbage collections in every process "
+                             "(minipic.devtools.gc_pauses) into this folder; each timed "
+                             "request's collection seconds go to its point (gc_pause_s)")
     add_minipic_option(parser)
     args = parser.parse_args()
     if args.profile_dir and args.host_profile:
@@ -99,6 +104,8 @@ def main() -> None:
         parser.error("--paired times prompts only: no --profile-dir or --host-profile")
     if args.stack_samples:  # the phases' processes inherit it, and start their samplers
         os.environ[ENV_FOLDER] = str(args.stack_samples.resolve())
+    if args.gc_pauses:
+        os.environ[gc_pauses.ENV_FOLDER] = str(args.gc_pauses.resolve())
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,
                       disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb),
@@ -138,6 +145,11 @@ def report(results: list[dict], args) -> None:
                 if p else "-"
             split = " | ".join(f"{stages[s] * 1e3:.1f}" if stages else "-" for s in STAGES)
             print(f"| {name} | {ttft * 1e3:.1f} | {cached} | {stock / ttft:.1f}x | {split} |")
+        for name, p in point.items():
+            for series, label in (("", name), ("rerun_", f"{name} rerun")):
+                if f"{series}gc_pause_s" in p:
+                    print(f"{label}: garbage collections inside each timed request (ms): "
+                          + ", ".join(f"{s * 1e3:.1f}" for s in p[f"{series}gc_pause_s"]))
         hit = point["gpu-hit"]["median_ttft_s"]
         for name, p in point.items():
             if name.startswith("disk"):

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from minipic.devtools.bench_setup import connector_extra, make_model, random_words, split_disk_phase
+from minipic.devtools import gc_pauses
 from minipic.devtools.page_cache import drop_from_page_cache
 from minipic.devtools.request_stages import STAGES, request_stages
 from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window
@@ -230,6 +231,7 @@ def _time_one(point: dict, series: str, window: str, run, final: list[int]):
         ttft, [out] = timed(run, [final])
         end = time.monotonic()
     point.setdefault(f"{series}ttft_s", []).append(ttft)
+    point.setdefault(f"{series}windows_s", []).append((begin, end))
     point.setdefault(f"{series}stages_s", []).append(request_stages(begin, end, out.metrics))
     return out
 
@@ -238,11 +240,16 @@ def phase_result(name: str, points: dict[int, dict], **tags) -> dict:
     """A phase's points with their medians. An in-process engine (--host-profile) is timed
     too, but not as a benchmark's is; nor is one whose timed requests were stack-sampled:
     the tags say so."""
+    folder = os.environ.get(gc_pauses.ENV_FOLDER)
+    pauses = gc_pauses.read_pauses(Path(folder)) if folder else None
     for point in points.values():
         for series in ("", "rerun_"):
             if f"{series}ttft_s" in point:
                 point[f"median_{series}ttft_s"] = statistics.median(point[f"{series}ttft_s"])
                 point[f"median_{series}stages_s"] = median_stages(point[f"{series}stages_s"])
+                if pauses is not None:  # collections inside each timed request
+                    point[f"{series}gc_pause_s"] = [gc_pauses.pauses_within(pauses, *w)
+                                                    for w in point[f"{series}windows_s"]]
     return {"phase": name, "points": list(points.values()), "in_process": False,
             "stack_sampled": bool(os.environ.get(ENV_FOLDER)), **tags}
 
