@@ -15,10 +15,11 @@ def register() -> None:
     if _registered:
         return
     from minipic import _vllm_patches
-    from minipic.devtools import gc_pauses, stack_sampler
+    from minipic.devtools import gc_pauses, stack_sampler, step_phases
 
     stack_sampler.start_from_env()  # only with MINIPIC_STACK_SAMPLES set (a benchmark's profile)
     gc_pauses.start_from_env()  # only with MINIPIC_GC_PAUSES set
 
     _vllm_patches.apply_all()
+    step_phases.start_from_env()  # only with MINIPIC_STEP_PHASES set; times minipic's patches too
     _registered = True

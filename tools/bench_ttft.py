@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, add_minipic_option, disk_phase_list, gib, int_list,
     minipic_option_pairs)
-from minipic.devtools import gc_pauses  # noqa: E402
+from minipic.devtools import gc_pauses, step_phases  # noqa: E402
 from minipic.devtools.request_stages import STAGES  # noqa: E402
 from minipic.devtools.stack_sampler import ENV_FOLDER  # noqa: E402
 from minipic.devtools.ttft_phases import measure  # noqa: E402
@@ -96,6 +97,11 @@ def main() -> None:
                         help="record Python's garbage collections in every process "
                              "(minipic.devtools.gc_pauses) into this folder; each timed "
                              "request's collection seconds go to its point (gc_pause_s)")
+    parser.add_argument("--step-phases", type=Path,
+                        help="time vLLM's and minipic's main host functions in every process "
+                             "(minipic.devtools.step_phases, unsampled) into this folder; "
+                             "each timed request's seconds by function go to its point "
+                             "(phases_s) and a table of medians is printed")
     add_minipic_option(parser)
     args = parser.parse_args()
     if args.profile_dir and args.host_profile:
@@ -106,6 +112,8 @@ def main() -> None:
         os.environ[ENV_FOLDER] = str(args.stack_samples.resolve())
     if args.gc_pauses:
         os.environ[gc_pauses.ENV_FOLDER] = str(args.gc_pauses.resolve())
+    if args.step_phases:
+        os.environ[step_phases.ENV_FOLDER] = str(args.step_phases.resolve())
     results = measure(args.arch, args.docs, args.doc_tokens, args.repeats, args.eager,
                       save=lambda results: save(results, args), profile_dir=args.profile_dir,
                       disk_phases=args.disk_phases, cpu_bytes=gib(args.cpu_gb),
@@ -150,6 +158,7 @@ def report(results: list[dict], args) -> None:
                 if f"{series}gc_pause_s" in p:
                     print(f"{label}: garbage collections inside each timed request (ms): "
                           + ", ".join(f"{s * 1e3:.1f}" for s in p[f"{series}gc_pause_s"]))
+        print_phases(point)
         hit = point["gpu-hit"]["median_ttft_s"]
         for name, p in point.items():
             if name.startswith("disk"):
@@ -163,6 +172,23 @@ def report(results: list[dict], args) -> None:
             print(f"{r['phase']}: {loads['load_jobs']} disk loads (warm-ups included), "
                   f"{seconds / loads['load_jobs'] * 1e3:.1f} ms each, "
                   f"{loads['hit_bytes'] / seconds / 2**30:.2f} GiB/s files -> CPU tier")
+
+
+def print_phases(point: dict) -> None:
+    """--step-phases: each timed function's median seconds a request, stock's full hit
+    beside minipic's GPU hit."""
+    columns = [("stock rerun (full prefix hit)", point["stock"].get("rerun_phases_s")),
+               ("gpu-hit", point.get("gpu-hit", {}).get("phases_s"))]
+    columns = [(label, per_request) for label, per_request in columns if per_request]
+    if not columns:
+        return
+    names = sorted({n for _, per_request in columns for calls in per_request for n in calls})
+    median = lambda per_request, n: statistics.median(c.get(n, 0.0) for c in per_request)
+    print("| function (inclusive; median ms a request) | "
+          + " | ".join(label for label, _ in columns) + " |")
+    print("| --- |" + " --- |" * len(columns))
+    for n in sorted(names, key=lambda n: -median(columns[-1][1], n)):
+        print(f"| {n} | " + " | ".join(f"{median(c, n) * 1e3:.2f}" for _, c in columns) + " |")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from minipic.devtools.bench_setup import connector_extra, make_model, random_words, split_disk_phase
-from minipic.devtools import gc_pauses
+from minipic.devtools import gc_pauses, step_phases
 from minipic.devtools.page_cache import drop_from_page_cache
 from minipic.devtools.request_stages import STAGES, request_stages
 from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window
@@ -242,6 +242,8 @@ def phase_result(name: str, points: dict[int, dict], **tags) -> dict:
     the tags say so."""
     folder = os.environ.get(gc_pauses.ENV_FOLDER)
     pauses = gc_pauses.read_pauses(Path(folder)) if folder else None
+    folder = os.environ.get(step_phases.ENV_FOLDER)
+    calls = step_phases.read_phases(Path(folder)) if folder else None
     for point in points.values():
         for series in ("", "rerun_"):
             if f"{series}ttft_s" in point:
@@ -250,6 +252,9 @@ def phase_result(name: str, points: dict[int, dict], **tags) -> dict:
                 if pauses is not None:  # collections inside each timed request
                     point[f"{series}gc_pause_s"] = [gc_pauses.pauses_within(pauses, *w)
                                                     for w in point[f"{series}windows_s"]]
+                if calls is not None:  # host functions' seconds inside each timed request
+                    point[f"{series}phases_s"] = [step_phases.phases_within(calls, *w)
+                                                  for w in point[f"{series}windows_s"]]
     return {"phase": name, "points": list(points.values()), "in_process": False,
             "stack_sampled": bool(os.environ.get(ENV_FOLDER)), **tags}
 

@@ -1,0 +1,172 @@
+"""Unsampled wall time of vLLM's and minipic's main host functions, in every vLLM process.
+
+A stack sampler (stack_sampler.py) takes the GIL every millisecond and slows what it
+watches (a 40-document hit sampled: 91 ms, unsampled 54); cProfile sees one thread. With
+`MINIPIC_STEP_PHASES=<folder>` set, minipic's plugin entry point wraps the functions in
+TIMED (those this vLLM has) with two clock reads each, in each process vLLM starts (forked
+engine cores included), and appends `[name, start, seconds]` (time.monotonic(): one clock
+for every process of the host) to `<folder>/<pid>.phases.jsonl`, flushed at the end of each
+step's last function (FLUSH_AFTER: a request's records are on disk once it has returned),
+every FLUSH_RECORDS records and at exit. Times are inclusive (schedule() holds the connector's
+lookups); a function vLLM runs once a layer is recorded once a layer. `phases_within` sums
+them by name inside a request's [begin, end] (tools/bench_ttft.py --step-phases).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ENV_FOLDER = "MINIPIC_STEP_PHASES"
+FLUSH_RECORDS = 512
+FLUSH_AFTER = frozenset({"Scheduler.update_from_output", "OutputProcessor.process_outputs"})
+
+# "module:Class.method", by the process that runs it; versions without one skip it.
+TIMED = (
+    # front end
+    "vllm.v1.engine.input_processor:InputProcessor.process_inputs",
+    "vllm.v1.engine.output_processor:OutputProcessor.process_outputs",
+    # engine core: its input thread, then the scheduler
+    "vllm.v1.engine.core:EngineCore.preprocess_add_request",
+    "vllm.v1.core.sched.scheduler:Scheduler.add_request",
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
+    "minipic.connector.connector:MiniPICConnector.on_new_request",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+    "OffloadingConnector.get_num_new_matched_tokens",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+    "OffloadingConnector.build_connector_meta",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+    "OffloadingConnector.update_connector_output",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+    "OffloadingConnector.request_finished",
+    # worker: the offloading connector's side of a step
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+    "OffloadingConnector.start_load_kv",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+    "OffloadingConnector.wait_for_save",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+    "OffloadingConnector.get_finished",
+    # worker: Model Runner V2 (vLLM 0.25 on CUDA)
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.add_requests",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_inputs",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_attn",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
+    # worker: the V1 runner (vLLM 0.32 on CPU)
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+    # attention: metadata once a step, the layers' calls once a layer
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build",
+    "minipic.attention.cuda_backend:SpanBatchBuilder._add_spans",
+    "vllm.model_executor.layers.attention.attention:Attention.forward",
+    "minipic.attention.cuda_backend:SpanBatchImpl.forward",
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
+)
+
+_started = False
+_recorder: "_Recorder | None" = None  # this process's (a forked child opens its own)
+
+
+class _Recorder:
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._records: list = []
+        self._lock = threading.Lock()
+
+    def add(self, name: str, start: float, seconds: float) -> None:
+        self._records.append([name, start, seconds])  # atomic under the GIL
+        if name in FLUSH_AFTER or len(self._records) >= FLUSH_RECORDS:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            records, self._records = self._records, []
+            if records:
+                with open(self._path, "a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def start_from_env() -> None:
+    """Wrap TIMED in this process if MINIPIC_STEP_PHASES names a folder (once); a process
+    forked from it records into a file of its own."""
+    global _started
+    if not os.environ.get(ENV_FOLDER) or _started:
+        return
+    _started = True
+    _open_recorder()
+    os.register_at_fork(after_in_child=_open_recorder)
+    atexit.register(lambda: _recorder and _recorder.flush())
+    for target in TIMED:
+        _wrap(target)
+
+
+def _open_recorder() -> None:
+    global _recorder
+    folder = os.environ.get(ENV_FOLDER)
+    if not folder:  # unset before a fork: the child is not recorded
+        _recorder = None
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    _recorder = _Recorder(Path(folder) / f"{os.getpid()}.phases.jsonl")
+
+
+def _wrap(target: str) -> None:
+    module_name, _, attribute = target.partition(":")
+    class_name, _, method_name = attribute.partition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except Exception as e:  # not in this vLLM (or this platform): nothing to time
+        logger.debug("minipic step phases: no %s (%s)", target, e)
+        return
+    original = cls.__dict__.get(method_name)
+    if original is None:
+        return  # inherited only: timed where it is defined
+    name = f"{class_name}.{method_name}"
+
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        start = time.monotonic()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if _recorder is not None:
+                _recorder.add(name, start, time.monotonic() - start)
+
+    setattr(cls, method_name, timed)
+
+
+def read_phases(folder: Path) -> list[tuple[str, float, float]]:
+    """Every recorded call of every process."""
+    calls = []
+    for path in Path(folder).glob("*.phases.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                calls.append(tuple(json.loads(line)))
+            except ValueError:  # a line cut short by a killed process
+                continue
+    return calls
+
+
+def phases_within(calls: list[tuple], begin: float, end: float) -> dict[str, float]:
+    """Seconds by function name of the calls that started inside [begin, end]."""
+    totals: dict[str, float] = {}
+    for name, start, seconds in calls:
+        if begin <= start <= end:
+            totals[name] = totals.get(name, 0.0) + seconds
+    return totals
