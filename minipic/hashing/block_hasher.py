@@ -130,21 +130,25 @@ def make_request_block_hasher(protocol: SpanProtocol, hash_block_size: int,
             return []  # called every step; most steps complete no block
         hashes: list = list(request.block_hashes)
         # Read once, not per block (a 40k-token prompt has 2.5k): in the engine core's input
-        # thread every microsecond a block delays the request's first step.
+        # thread every microsecond a block delays the request's first step. A plain block is
+        # hashed as in vLLM's own loop (its hash_block_tokens returns a BlockHash already).
         prompt_end, token_ids = prompt_length(request), request.all_token_ids
         markers, num_tokens = hasher.markers, request.num_tokens
+        extra_keys_of, hash_tokens = kcu.generate_block_hash_extra_keys, kcu.hash_block_tokens
+        parent = hashes[-1] if hashes else seed
         while start + hash_block_size <= num_tokens:
             end = start + hash_block_size
             tokens = token_ids[start:end]
-            in_prompt = start < prompt_end
-            marker = in_prompt and tokens[0] in markers
-            # Stock extra keys (LoRA, multimodal, prompt embeds, block-0 salt).
-            # mm_idx restarts at 0 here; vLLM skips ahead only as an optimisation.
-            extra_keys, mm_idx = kcu.generate_block_hash_extra_keys(
-                _WithoutSalt(request) if marker else request, start, end, mm_idx)
-            block_hash = (hasher.hash_block(tokens, hashes, extra_keys, request.cache_salt)
-                          if marker else hasher.plain_hash(tokens, hashes, extra_keys))
-            hashes.append(kcu.BlockHash(block_hash))
+            if start < prompt_end and tokens[0] in markers:
+                # Stock extra keys (LoRA, multimodal, prompt embeds), without the block-0
+                # salt. mm_idx restarts at 0 here; vLLM skips ahead only as an optimisation.
+                extra_keys, mm_idx = extra_keys_of(_WithoutSalt(request), start, end, mm_idx)
+                parent = kcu.BlockHash(hasher.hash_block(tokens, hashes, extra_keys,
+                                                         request.cache_salt))
+            else:
+                extra_keys, mm_idx = extra_keys_of(request, start, end, mm_idx)
+                parent = hash_tokens(hash_fn, parent, tokens, extra_keys)
+            hashes.append(parent)
             start = end
         return hashes[first_new:]
 

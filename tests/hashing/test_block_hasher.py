@@ -63,3 +63,26 @@ def test_markers_in_a_streamed_prompt_chunk_count():
     request.num_prompt_tokens = len(request.prompt_token_ids)
     assert list(request.block_hashes) == hashes(HEADER + SPAN)
     assert list(request.block_hashes)[1:] == hashes(SPAN)
+
+
+def test_a_prompt_without_markers_hashes_as_stock_vllm(monkeypatch):
+    """Plain blocks take vLLM's own chaining (hash_block_tokens from the same seed), salt
+    and generated tokens included: stock's prefix cache and minipic's agree on them."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    from minipic.hashing.block_hasher import deterministic_seed
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    # stock's seed, as vLLM 0.32 derives it with PYTHONHASHSEED unset
+    monkeypatch.setattr(kcu, "NONE_HASH", deterministic_seed(hash_fn), raising=False)
+    stock = kcu.get_request_block_hasher(B, hash_fn)
+    prompt = list(range(10, 10 + 5 * B + 7))
+    for salt in (None, "tenant"):
+        theirs = Request("r", prompt, SamplingParams(max_tokens=B + 1), None, cache_salt=salt,
+                         block_hasher=stock)
+        ours = Request("r", prompt, SamplingParams(max_tokens=B + 1), None, cache_salt=salt,
+                       block_hasher=HASHER)
+        for request in (theirs, ours):  # a generated block completes a sixth
+            request.append_output_token_ids(list(range(500, 500 + B)))
+        assert len(ours.block_hashes) == 6
+        assert list(ours.block_hashes) == list(theirs.block_hashes)
