@@ -21,14 +21,16 @@ Each phase runs in its own process, as a restart would:
      minutes earlier, as after a restart on the same host); `cold:T` first drops the store's
      files from the page cache (posix_fadvise DONTNEED), so they come from the device;
      `warm:T:P` also sets the reader processes (`disk_read_processes`, 0 = threads only).
-`--paired` runs phases 1 and 2 in one process instead, both engines up (each on half the GPU
-memory share) and their timed prompts taking turns, so the host's drift weighs on both alike.
-TTFT = wall time of one request with max_tokens=1, requests one at a time, median of --repeats
-prompts, split into stages by vLLM's request timestamps (minipic.devtools.request_stages: the
-way to the scheduler's queue, the wait to be scheduled, the step, the way back). Every timed prompt has documents no other timed prompt of its phase uses, so a
-disk-phase prompt loads all its documents from the store (an earlier version reused one pool,
-and after the first prompt the disk-warm phase measured GPU hits). The gpu-hit phase prefills
-and keeps sum(--docs) x --repeats documents, plus twice max(--docs) (warm-up and profiled).
+`--paired` runs phases 1 and 2 in one process instead, both engines up (stock on 0.3 of the GPU
+memory share, minipic on the rest) and their timed prompts taking turns, so the host's drift
+weighs on both alike. TTFT = wall time of one request with max_tokens=1, requests one at a
+time, median of --repeats prompts, split into stages by vLLM's request timestamps
+(minipic.devtools.request_stages: the way to the scheduler's queue, the wait to be scheduled,
+the step, the way back). Every timed prompt has documents no other timed prompt of its phase
+uses, so a disk-phase prompt loads all its documents from the store (an earlier version reused
+one pool, and after the first prompt the disk-warm phase measured GPU hits). The gpu-hit phase
+prefills and keeps sum(--docs) x --repeats documents, plus twice max(--docs) (warm-up and
+profiled), and is refused when its GPU KV cache cannot hold them all.
 After each disk phase the store's load counters (files -> CPU tier per request, see
 `minipic store stats`) are added to its result. All phases run in one invocation. `--cpu-gb`
 sizes the connector's CPU tier (8 GiB on the 8B model by default): a prompt's loads pass through
@@ -182,7 +184,7 @@ def print_phases(point: dict) -> None:
     columns = [(label, per_request) for label, per_request in columns if per_request]
     if not columns:
         return
-    names = sorted({n for _, per_request in columns for calls in per_request for n in calls})
+    names = {n for _, per_request in columns for calls in per_request for n in calls}
     median = lambda per_request, n: statistics.median(c.get(n, 0.0) for c in per_request)
     print("| function (inclusive; median ms a request) | "
           + " | ".join(label for label, _ in columns) + " |")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -90,16 +91,18 @@ class _Recorder:
         self._lock = threading.Lock()
 
     def add(self, name: str, start: float, seconds: float) -> None:
-        self._records.append([name, start, seconds])  # atomic under the GIL
-        if name in FLUSH_AFTER or len(self._records) >= FLUSH_RECORDS:
+        with self._lock:  # the input thread and the main loop both record
+            self._records.append([name, start, seconds])
+            full = len(self._records) >= FLUSH_RECORDS
+        if full or name in FLUSH_AFTER:
             self.flush()
 
     def flush(self) -> None:
         with self._lock:
             records, self._records = self._records, []
-            if records:
-                with open(self._path, "a") as f:
-                    f.write("".join(json.dumps(r) + "\n" for r in records))
+        if records:
+            with open(self._path, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
 def start_from_env() -> None:
@@ -135,8 +138,8 @@ def _wrap(target: str) -> None:
         logger.debug("minipic step phases: no %s (%s)", target, e)
         return
     original = cls.__dict__.get(method_name)
-    if original is None:
-        return  # inherited only: timed where it is defined
+    if not inspect.isfunction(original):
+        return  # inherited only (timed where it is defined), or a static or class method
     name = f"{class_name}.{method_name}"
 
     @functools.wraps(original)

@@ -5,9 +5,10 @@ from 33 to 50 ms within one phase on the H200) and between hosts weighs on both 
 Both engines share the GPU and are started before anything is timed. Stock keeps one prompt
 at a time (STOCK_SHARE of the usual memory share); minipic's engine gets the rest, and must
 hold every timed prompt's documents in GPU memory: a hit served from the CPU tier is not a
-GPU hit (ttft_phases.check_gpu_holds refuses the run instead). Then for each timed prompt: stock's recompute of its final prompt,
-its rerun (stock's own full prefix hit) and minipic's hit on the same documents. The
-results are the two phases' ("stock", "gpu-hit"), tagged `paired`.
+GPU hit (ttft_phases.check_gpu_holds refuses the run instead). Then for each timed prompt:
+stock's recompute of its final prompt, its rerun (stock's own full prefix hit) and
+minipic's hit on the same documents. The results are the two phases' ("stock", "gpu-hit"),
+tagged `paired`.
 """
 
 from __future__ import annotations
