@@ -17,7 +17,10 @@ import os
 import time
 from pathlib import Path
 
+from minipic.devtools.process_logs import read_records, this_process_log
+
 ENV_FOLDER = "MINIPIC_GC_PAUSES"
+SUFFIX = ".gc.jsonl"
 MIN_PAUSE_S = 0.0002  # young collections take microseconds; these are the ones that count
 
 _started = False
@@ -38,12 +41,8 @@ def start_from_env() -> None:
 
 def _open_log() -> None:
     global _log
-    folder = os.environ.get(ENV_FOLDER)
-    if not folder:  # unset before a fork: the child is not recorded
-        _log = None
-        return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    _log = open(Path(folder) / f"{os.getpid()}.gc.jsonl", "a", buffering=1)
+    path = this_process_log(ENV_FOLDER, SUFFIX)
+    _log = None if path is None else open(path, "a", buffering=1)
 
 
 def _on_collection(phase: str, info: dict) -> None:
@@ -58,14 +57,7 @@ def _on_collection(phase: str, info: dict) -> None:
 
 def read_pauses(folder: Path) -> list[tuple[float, float, int, int]]:
     """Every recorded collection of every process, by start time."""
-    pauses = []
-    for path in Path(folder).glob("*.gc.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                pauses.append(tuple(json.loads(line)))
-            except ValueError:  # a line cut short by a killed process
-                continue
-    return sorted(pauses)
+    return sorted(read_records(folder, SUFFIX))
 
 
 def pauses_within(pauses: list[tuple], begin: float, end: float) -> float:

@@ -25,9 +25,12 @@ import threading
 import time
 from pathlib import Path
 
+from minipic.devtools.process_logs import read_records, this_process_log
+
 logger = logging.getLogger(__name__)
 
 ENV_FOLDER = "MINIPIC_STEP_PHASES"
+SUFFIX = ".phases.jsonl"
 FLUSH_RECORDS = 512
 FLUSH_AFTER = frozenset({"Scheduler.update_from_output", "OutputProcessor.process_outputs"})
 
@@ -121,12 +124,8 @@ def start_from_env() -> None:
 
 def _open_recorder() -> None:
     global _recorder
-    folder = os.environ.get(ENV_FOLDER)
-    if not folder:  # unset before a fork: the child is not recorded
-        _recorder = None
-        return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    _recorder = _Recorder(Path(folder) / f"{os.getpid()}.phases.jsonl")
+    path = this_process_log(ENV_FOLDER, SUFFIX)
+    _recorder = None if path is None else _Recorder(path)
 
 
 def _wrap(target: str) -> None:
@@ -156,14 +155,7 @@ def _wrap(target: str) -> None:
 
 def read_phases(folder: Path) -> list[tuple[str, float, float]]:
     """Every recorded call of every process."""
-    calls = []
-    for path in Path(folder).glob("*.phases.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                calls.append(tuple(json.loads(line)))
-            except ValueError:  # a line cut short by a killed process
-                continue
-    return calls
+    return read_records(folder, SUFFIX)
 
 
 def phases_within(calls: list[tuple], begin: float, end: float) -> dict[str, float]:
