@@ -75,23 +75,21 @@ class SpanProtocol:
 
         The block hasher reads a marker only as a block's first token; one inside a
         block would be hashed as a plain token, and the prompt's spans would silently
-        miss (or its task be hashed as part of a span). `list.index` scans in C: a
-        10k-token prompt costs microseconds, checked for every request."""
+        miss (or its task be hashed as part of a span). Checked for every request, so
+        by counts in C: a marker is misplaced only if the prompt holds more of it than
+        its block starts do (a 40k-token prompt: three scans, no Python loop over it)."""
         tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+        firsts = tokens[::block_size]
         for marker, name in self.marker_names().items():
-            position = -1
-            while True:
-                try:
-                    position = tokens.index(marker, position + 1)
-                except ValueError:
-                    break
-                if position % block_size:
-                    raise MisplacedMarkerError(
-                        f"prompt token {position} is minipic's {name} marker (token id "
-                        f"{marker}), which must start a KV block (block size {block_size}): "
-                        "pad before it to the block boundary (minipic.client's prompt "
-                        "builders do), or remove it from the text")
-        check_links(tokens[::block_size], self, block_size)
+            if tokens.count(marker) == firsts.count(marker):
+                continue
+            position = next(i for i in _positions(tokens, marker) if i % block_size)
+            raise MisplacedMarkerError(
+                f"prompt token {position} is minipic's {name} marker (token id "
+                f"{marker}), which must start a KV block (block size {block_size}): "
+                "pad before it to the block boundary (minipic.client's prompt "
+                "builders do), or remove it from the text")
+        check_links(firsts, self, block_size)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SpanProtocol":
@@ -138,45 +136,62 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
     every query outside spans, which there would precede the link standing for it
     (and its KV would depend on a later block its hash does not cover). The links
     form one run: what follows them stands as many positions earlier as they hold
-    (span_layout.SpanLayout), which a second run would make depend on later blocks."""
+    (span_layout.SpanLayout), which a second run would make depend on later blocks.
+    Only marker blocks change a segment: the walk visits those (a 40-document prompt
+    has some 80 of its 2,500 blocks), and a segment's length is the gap to the next."""
     if protocol.link_token_id is None:
         return
-    firsts = list(block_first_tokens)
+    firsts = block_first_tokens if isinstance(block_first_tokens, list) \
+        else list(block_first_tokens)
     markers = protocol.markers
     total_links = firsts.count(protocol.link_token_id)
+    marker_blocks = sorted(b for m in markers for b in _positions(firsts, m))
     spans: list[int] = []  # length in blocks of each SSep span so far
     links = 0
     kind = None
-    link_start = 0
+    segment_start = 0  # the block that started the current segment
     run_ended = False  # a link run was followed by another marker
-    for block, first in enumerate(firsts + [protocol.pdep_token_id]):
+    # The prompt's end acts as a PDep block past its last block: it closes the last segment.
+    for block in marker_blocks + [len(firsts)]:
+        first = firsts[block] if block < len(firsts) else protocol.pdep_token_id
+        if kind == "span":
+            spans[-1] = block - segment_start
         if first == protocol.pdep_token_id and block < len(firsts) \
                 and links < min(len(spans), total_links):
             raise MisplacedMarkerError(
                 f"prompt token {block * block_size} starts a PDep block between span "
                 f"{links + 1} and its link: put every link before the task (as "
                 "minipic.client.epic does)")
-        if first in markers:
-            if kind == "link":
-                _check_link_fits(links, block - link_start, spans, link_start, block_size)
-                run_ended = first != protocol.link_token_id
-            kind = {protocol.ssep_token_id: "span", protocol.link_token_id: "link"}.get(first)
-            if kind == "link" and run_ended and block < len(firsts):
-                raise MisplacedMarkerError(
-                    f"prompt token {block * block_size} starts a second run of link blocks: "
-                    "a prompt's links follow one another after its spans (as "
-                    "minipic.client.epic lays them out)")
-            if kind == "span":
-                spans.append(0)
-            elif kind == "link":
-                links, link_start = links + 1, block
-                if links > len(spans):
-                    raise MisplacedMarkerError(
-                        f"prompt token {block * block_size} starts link block {links}, but only "
-                        f"{len(spans)} SSep span(s) come before it: link k carries the first "
-                        "block of the k-th span and must follow it")
+        if kind == "link":
+            _check_link_fits(links, block - segment_start, spans, segment_start, block_size)
+            run_ended = first != protocol.link_token_id
+        kind = {protocol.ssep_token_id: "span", protocol.link_token_id: "link"}.get(first)
+        if kind == "link" and run_ended and block < len(firsts):
+            raise MisplacedMarkerError(
+                f"prompt token {block * block_size} starts a second run of link blocks: "
+                "a prompt's links follow one another after its spans (as "
+                "minipic.client.epic lays them out)")
         if kind == "span":
-            spans[-1] += 1
+            spans.append(0)
+        elif kind == "link":
+            links += 1
+            if links > len(spans):
+                raise MisplacedMarkerError(
+                    f"prompt token {block * block_size} starts link block {links}, but only "
+                    f"{len(spans)} SSep span(s) come before it: link k carries the first "
+                    "block of the k-th span and must follow it")
+        segment_start = block
+
+
+def _positions(items: list, value: int):
+    """Every index of `value` in `items`, found by list.index (a scan in C)."""
+    position = -1
+    while True:
+        try:
+            position = items.index(value, position + 1)
+        except ValueError:
+            return
+        yield position
 
 
 def _check_link_fits(link: int, length: int, spans: list[int], start: int,
