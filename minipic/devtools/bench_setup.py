@@ -18,20 +18,26 @@ TINY_MARKERS = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5, "link
 DEFAULT_DISK_PHASES = ["warm:4"]
 
 
-def make_model(arch: str, root: Path) -> tuple[str, dict, dict]:
-    """Model dir, engine kwargs and marker ids for the chosen architecture."""
+# KV block size of each architecture's engine (CPU attention wants a multiple of 32).
+BLOCK_SIZES = {"tiny": 32, "llama3-8b": 16}
+
+
+def make_model(arch: str, root: Path, max_model_len: int = 0) -> tuple[str, dict, dict]:
+    """Model dir, engine kwargs and marker ids for the chosen architecture; the engine takes
+    prompts of max_model_len tokens at least (the tiny model's positions are made to reach)."""
     if arch == "tiny":
         from minipic.devtools.tiny_llama import build_tiny_llama
 
-        path = build_tiny_llama(root / "tiny")
-        return str(path), dict(dtype="float32", block_size=32, enforce_eager=True,
-                               gpu_memory_utilization=0.1, max_model_len=4096), TINY_MARKERS
+        length = max(4096, max_model_len)
+        path = build_tiny_llama(root / "tiny", max_position_embeddings=length)
+        return str(path), dict(dtype="float32", block_size=BLOCK_SIZES[arch], enforce_eager=True,
+                               gpu_memory_utilization=0.1, max_model_len=length), TINY_MARKERS
     from minipic.devtools import llama3_8b
 
     path = llama3_8b.write_config(root / "llama3-8b")
-    return str(path), dict(dtype="bfloat16", block_size=16, load_format="dummy",
+    return str(path), dict(dtype="bfloat16", block_size=BLOCK_SIZES[arch], load_format="dummy",
                            skip_tokenizer_init=True, gpu_memory_utilization=0.85,
-                           max_model_len=32768), llama3_8b.MARKERS
+                           max_model_len=max(32768, max_model_len)), llama3_8b.MARKERS
 
 
 def connector_extra(arch: str, store: str, markers: dict, cpu_bytes: int | None = None) -> dict:

@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from minipic.devtools.bench_setup import connector_extra, make_model, random_words, split_disk_phase
+from minipic.devtools.bench_setup import (BLOCK_SIZES, connector_extra, make_model, random_words,
+                                         split_disk_phase)
 from minipic.devtools import gc_pauses, step_phases
 from minipic.devtools.page_cache import drop_from_page_cache
 from minipic.devtools.request_stages import STAGES, request_stages
@@ -276,11 +277,11 @@ def measure(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, eag
     the earlier phases). Returns one dict per phase, {"phase", "points"} or {"phase", "error"}.
     `paired`: stock and gpu-hit run in one process, prompt by prompt (ttft_paired.py)."""
     with tempfile.TemporaryDirectory() as tmp:
-        model, engine, markers = make_model(arch, Path(tmp))
-        needed = final_prompt_tokens(doc_counts, doc_tokens, engine["block_size"]) + 64
+        block_size = BLOCK_SIZES[arch]
+        needed = final_prompt_tokens(doc_counts, doc_tokens, block_size) + 64
         # EPIC's links: up to 64 tokens a document (epic64), or two blocks (epic2)
-        needed += max(64, 2 * engine["block_size"]) * max(doc_counts)
-        engine["max_model_len"] = max(engine["max_model_len"], needed)
+        needed += max(64, 2 * block_size) * max(doc_counts)
+        model, engine, markers = make_model(arch, Path(tmp), max_model_len=needed)
         engine["enforce_eager"] = engine.get("enforce_eager", False) or eager
         phases = phases_of(list(disk_phases), paired)
         load = workload(arch, doc_counts, doc_tokens, repeats, engine["block_size"], markers,
