@@ -24,7 +24,10 @@ class HostPrompts:
 
     def __init__(self, protocol: SpanProtocol) -> None:
         self._protocol = protocol
-        self._prompts: dict[int, np.ndarray] = {}
+        # Token lists as vLLM hands them (copied: an array of a 40k-token prompt costs a
+        # millisecond at the hit's only step), as arrays once something needs them.
+        self._prompts: dict[int, list[int]] = {}
+        self._arrays: dict[int, np.ndarray] = {}
         self._shareable: dict[int, bool] = {}
         self._firsts: dict[tuple[int, int], np.ndarray] = {}  # (row, block_size) -> ids
         # (row, block_size) -> (span id of each block, the chains it holds)
@@ -39,12 +42,13 @@ class HostPrompts:
         `shareable` False: its KV depends on more than its tokens (a LoRA adapter,
         multimodal inputs, prompt embeddings), so its spans get no ids: never shared."""
         self._forget(row)
-        self._prompts[row] = np.asarray(prompt, dtype=np.int64)
+        self._prompts[row] = list(prompt)
         self._shareable[row] = shareable
         self.generation += 1  # layouts built from the rows before are stale
 
     def _forget(self, row: int) -> None:
         """Drop what was derived from row `row`'s prompt, its span ids given back."""
+        self._arrays.pop(row, None)
         for key in [k for k in self._firsts if k[0] == row]:
             del self._firsts[key]
         for key in [k for k in self._ids if k[0] == row]:
@@ -71,7 +75,7 @@ class HostPrompts:
         """compute(row's prompt), computed once while the row runs that prompt."""
         found = self._derived.get((row, key))
         if found is None:
-            found = self._derived[(row, key)] = compute(self._prompts[row])
+            found = self._derived[(row, key)] = compute(self._array(row))
         return found
 
     def blocks(self, rows: np.ndarray, block_size: int, blocks: int, span_ids: bool = True
@@ -86,19 +90,27 @@ class HostPrompts:
             key = (row, block_size)
             prompt_firsts = self._firsts.get(key)
             if prompt_firsts is None:
-                prompt_firsts = self._firsts[key] = self._prompts[row][::block_size]
+                prompt_firsts = self._firsts[key] = np.asarray(
+                    self._prompts[row][::block_size], dtype=np.int64)
             shown = min(blocks, prompt_firsts.size)
             firsts[i, :shown] = prompt_firsts[:shown]
             if span_ids:
                 ids[i, :shown] = self._span_ids(key)[:shown]
-            lengths[i] = self._prompts[row].size
+            lengths[i] = len(self._prompts[row])
         return firsts, ids, lengths
+
+    def _array(self, row: int) -> np.ndarray:
+        """Row `row`'s prompt as int64 ids, converted once while the row runs it."""
+        found = self._arrays.get(row)
+        if found is None:
+            found = self._arrays[row] = np.asarray(self._prompts[row], dtype=np.int64)
+        return found
 
     def _span_ids(self, key: tuple[int, int]) -> np.ndarray:
         """The prompt's span ids, hashed once (about a microsecond a block)."""
         found = self._ids.get(key)
         if found is None:
-            prompt = self._prompts[key[0]]
+            prompt = self._array(key[0])
             if self._shareable[key[0]]:
                 found = self.span_ids.take(prompt, key[1], self._protocol.ssep_token_id,
                                            self._protocol.markers)
