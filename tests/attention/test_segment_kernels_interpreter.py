@@ -79,7 +79,7 @@ def _errors(name: str) -> dict[str, float]:
                          plan.earlier.query_index)
     whole = torch.empty_like(q)
     segment_attention(q, case.k_cache, case.v_cache, whole, batch, flash)
-    return {**_graph_errors(kwargs),
+    return {**_graph_errors(kwargs), "merge_many_rows": _many_rows_error(kwargs),
             "turn": relative_error(by_kernel, by_torch),
             "turn_keys": relative_error(keys_by_kernel, keys_by_torch),
             "turn_both_queries": relative_error(both_q, by_torch),
@@ -129,6 +129,36 @@ def _graph_errors(kwargs: dict) -> dict[str, float]:
             "graph_padding": max(float(m[n:].float().abs().max()) for m in merged.values())}
 
 
+def _many_rows_error(kwargs: dict) -> float:
+    """Tokens with more earlier rows than a merge program loads at once (MERGE_ROWS_BLOCK,
+    a 40-document hit's question has 41), with none, and rows without keys, their rows
+    not side by side, against torch's merge."""
+    import torch
+
+    from minipic.attention.segment_attention import merge
+    from minipic.attention.segment_kernels import MERGE_ROWS_BLOCK, merge_rows
+    from minipic.devtools.paged_attention_case import relative_error
+
+    generator = torch.Generator().manual_seed(0)
+    heads, d, dtype = kwargs["num_q_heads"], kwargs["head_size"], kwargs["dtype"]
+    block = MERGE_ROWS_BLOCK
+    counts = torch.tensor([0, 1, block, block + 1, 2 * block + 9, 3])
+    n, m = counts.numel(), int(counts.sum())
+    token = torch.repeat_interleave(torch.arange(n), counts)[torch.randperm(m, generator=generator)]
+    entries = torch.argsort(token, stable=True).to(torch.int32)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    own_out, earlier_out = (torch.randn(k, heads, d, generator=generator).to(dtype) for k in (n, m))
+    own_lse = torch.randn(heads, n, generator=generator) * 3
+    earlier_lse = torch.randn(heads, m, generator=generator) * 3
+    own_lse[:, 0] = float("-inf")  # token 0: no keys at all, so 0
+    earlier_lse[:, int(entries[5])] = float("-inf")  # one row of token 3 without keys
+    by_kernel = merge_rows(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse, earlier_out,
+                           earlier_lse, starts, entries)
+    by_torch = merge(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse, earlier_out,
+                     earlier_lse, token)
+    return relative_error(by_kernel, by_torch)
+
+
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict:
     if importlib.util.find_spec("triton") is None:
@@ -143,7 +173,8 @@ def interpreter_errors() -> dict:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("check", ["turn", "turn_keys", "turn_both_queries", "turn_both_keys",
-                                   "merge", "merge_vs_reference", "torch_path_vs_reference",
+                                   "merge", "merge_many_rows", "merge_vs_reference",
+                                   "torch_path_vs_reference",
                                    "graph_turn", "graph_merge_vs_reference", "graph_padding"])
 def test_kernels_match_torch(interpreter_errors, name, check):
     err = interpreter_errors[name]
