@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 # Tokenizers such as Llama-3's ship reserved special tokens that no text ever
 # produces; they make safe markers. We pick the lowest-numbered ones.
@@ -141,8 +141,9 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
     has some 80 of its 2,500 blocks), and a segment's length is the gap to the next."""
     if protocol.link_token_id is None:
         return
-    firsts = block_first_tokens if isinstance(block_first_tokens, list) \
-        else list(block_first_tokens)
+    firsts = block_first_tokens
+    if not isinstance(firsts, list):
+        firsts = list(firsts)
     markers = protocol.markers
     total_links = firsts.count(protocol.link_token_id)
     marker_blocks = sorted(b for m in markers for b in _positions(firsts, m))
@@ -183,7 +184,7 @@ def check_links(block_first_tokens: Sequence[int], protocol: SpanProtocol,
         segment_start = block
 
 
-def _positions(items: list, value: int):
+def _positions(items: list, value: int) -> Iterator[int]:
     """Every index of `value` in `items`, found by list.index (a scan in C)."""
     position = -1
     while True:

@@ -740,7 +740,9 @@ def main() -> None:
     if hasattr(args, "parts"):
         args.parts = args.parts.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        model, engine, markers = make_model(args.arch, Path(tmp))
+        # figure2's preload sends prompts of up to max(--lengths) tokens
+        longest = max(args.lengths) + 64 if args.command == "figure2" else 0
+        model, engine, markers = make_model(args.arch, Path(tmp), max_model_len=longest)
         engine["enforce_eager"] = engine.get("enforce_eager", False) or args.eager
         if args.command == "table1":
             engine["max_model_len"] = TABLE1_MAX_MODEL_LEN

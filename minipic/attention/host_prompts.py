@@ -24,8 +24,9 @@ class HostPrompts:
 
     def __init__(self, protocol: SpanProtocol) -> None:
         self._protocol = protocol
-        # Token lists as vLLM hands them (copied: an array of a 40k-token prompt costs a
-        # millisecond at the hit's only step), as arrays once something needs them.
+        # Token lists, not arrays: an array of a 40k-token prompt cost a millisecond of a
+        # hit's only step; made once something needs one (span ids, decode needs). Copied:
+        # the runner shares the scheduler's list, which a streamed input extends in place.
         self._prompts: dict[int, list[int]] = {}
         self._arrays: dict[int, np.ndarray] = {}
         self._shareable: dict[int, bool] = {}

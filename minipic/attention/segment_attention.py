@@ -145,8 +145,11 @@ def merge(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
     earlier rows (`token` [m]: the query token of each earlier row token), in fp32
     torch (what segment_kernels.merge_rows computes in one launch)."""
     heads = own_lse.shape[0]
-    peak = own_lse.float().clone()
-    peak.scatter_reduce_(1, token[None].expand(heads, -1), earlier_lse.float(), "amax")
+    # a row without keys: FA3 gives its LSE as -inf, FA2 as +inf (no weight either way)
+    own_lse, earlier_lse = (torch.where(lse == float("inf"), float("-inf"), lse.float())
+                            for lse in (own_lse, earlier_lse))
+    peak = own_lse.clone()
+    peak.scatter_reduce_(1, token[None].expand(heads, -1), earlier_lse, "amax")
     # a token without keys (graph padding) gets 0
     peak = torch.where(peak == float("-inf"), 0.0, peak)
     own_weight = torch.exp(own_lse.float() - peak)  # [heads, n]

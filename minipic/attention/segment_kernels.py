@@ -157,51 +157,67 @@ def _no_keys_as_minus_inf(lse):
 def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, starts_ptr,
                        entries_ptr, out_ptr, own_stride_t, own_stride_h, own_lse_stride_h,
                        earlier_stride_t, earlier_stride_h, earlier_lse_stride_h,
-                       out_stride_t, out_stride_h, HEAD_SIZE: tl.constexpr,
+                       out_stride_t, out_stride_h, HEADS: tl.constexpr,
+                       HEADS_BLOCK: tl.constexpr, HEAD_SIZE: tl.constexpr,
                        HEAD_PADDED: tl.constexpr, ROWS_BLOCK: tl.constexpr):
-    # One program per (token, head), ROWS_BLOCK of the token's earlier rows a load. A
-    # program per token that loaded one row at a time waited on each load in turn: 53 us a
-    # layer for a 40-document hit's 32 question tokens (41 rows each), on 32 of 132 SMs.
-    # int64 offsets.
+    # One program per (token, HEADS_BLOCK heads), ROWS_BLOCK of the token's earlier rows a
+    # load, in two passes (the largest LSE, then the weighted sum); int64 offsets.
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
+    head_mask = head < HEADS
     first = tl.load(starts_ptr + token)
     last = tl.load(starts_ptr + token + 1)
-    own_lse = _no_keys_as_minus_inf(tl.load(own_lse_ptr + head * own_lse_stride_h + token))
-    block = tl.arange(0, ROWS_BLOCK)
+    own_lse = _no_keys_as_minus_inf(tl.load(own_lse_ptr + head * own_lse_stride_h + token,
+                                            mask=head_mask, other=float("-inf")))
+    rows = tl.arange(0, ROWS_BLOCK)
     peak = own_lse
-    for chunk in range(first, last, ROWS_BLOCK):  # pass 1: the largest LSE
-        mask = chunk + block < last
-        entry = tl.load(entries_ptr + chunk + block, mask=mask, other=0).to(tl.int64)
-        lse = tl.load(earlier_lse_ptr + head * earlier_lse_stride_h + entry, mask=mask,
-                      other=float("-inf"))
+    for chunk in range(first, last, ROWS_BLOCK):
+        row_mask = chunk + rows < last
+        entry = tl.load(entries_ptr + chunk + rows, mask=row_mask, other=0).to(tl.int64)
+        lse = tl.load(earlier_lse_ptr + head[None, :] * earlier_lse_stride_h + entry[:, None],
+                      mask=row_mask[:, None] & head_mask[None, :], other=float("-inf"))
         peak = tl.maximum(peak, tl.max(_no_keys_as_minus_inf(lse), axis=0))
     # a token whose rows read no keys (a full graph's padding request) gets 0, not NaN
     peak = tl.where(peak == float("-inf"), 0.0, peak)
     d = tl.arange(0, HEAD_PADDED)
-    d_mask = d < HEAD_SIZE
+    mask = head_mask[:, None] & (d < HEAD_SIZE)[None, :]
     weight = tl.exp(own_lse - peak)
-    total = weight * tl.load(own_ptr + token * own_stride_t + head * own_stride_h + d,
-                             mask=d_mask, other=0.0).to(tl.float32)
+    total = weight[:, None] * tl.load(
+        own_ptr + token * own_stride_t + head[:, None] * own_stride_h + d[None, :],
+        mask=mask, other=0.0).to(tl.float32)
     norm = weight
-    for chunk in range(first, last, ROWS_BLOCK):  # pass 2: the weighted sum
-        mask = chunk + block < last
-        entry = tl.load(entries_ptr + chunk + block, mask=mask, other=0).to(tl.int64)
+    for chunk in range(first, last, ROWS_BLOCK):
+        row_mask = chunk + rows < last
+        entry = tl.load(entries_ptr + chunk + rows, mask=row_mask, other=0).to(tl.int64)
         w = tl.exp(_no_keys_as_minus_inf(tl.load(
-            earlier_lse_ptr + head * earlier_lse_stride_h + entry, mask=mask,
-            other=float("-inf"))) - peak)
-        rows = tl.load(earlier_ptr + entry[:, None] * earlier_stride_t
-                       + head * earlier_stride_h + d[None, :],
-                       mask=mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        total += tl.sum(w[:, None] * rows, axis=0)
+            earlier_lse_ptr + head[None, :] * earlier_lse_stride_h + entry[:, None],
+            mask=row_mask[:, None] & head_mask[None, :], other=float("-inf"))) - peak[None, :])
+        values = tl.load(earlier_ptr + entry[:, None, None] * earlier_stride_t
+                         + head[None, :, None] * earlier_stride_h + d[None, None, :],
+                         mask=row_mask[:, None, None] & mask[None, :, :],
+                         other=0.0).to(tl.float32)
+        total += tl.sum(w[:, :, None] * values, axis=0)
         norm += tl.sum(w, axis=0)
     norm = tl.where(norm == 0.0, 1.0, norm)
-    tl.store(out_ptr + token * out_stride_t + head * out_stride_h + d,
-             (total / norm).to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + token * out_stride_t + head[:, None] * out_stride_h + d[None, :],
+             (total / norm[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Earlier rows a merge program loads at once: a 40-document hit's question token has 41.
+# The merge's launch shape: a program per token over all heads, one earlier row a load, when
+# the batch has tokens enough to fill the GPU (a long chunk: most tokens read one or two
+# rows, and a program per head would make the grid, not memory, set the time, as it did for
+# _turn_rows_kernel); else a program per (token, head) loading MERGE_ROWS_BLOCK rows at
+# once: a 40-document hit's 32 question tokens read 41 rows each, which one program per
+# token loading a row at a time took 53 us a layer to merge on 32 of 132 SMs.
+MERGE_SPLIT_HEADS_BELOW = 1 << 16  # tokens x heads
 MERGE_ROWS_BLOCK = 16
+
+
+def merge_launch_shape(tokens: int, heads: int) -> tuple[int, int]:
+    """(heads a program merges, earlier rows it loads at once) for a batch's merge."""
+    if tokens * heads < MERGE_SPLIT_HEADS_BELOW:
+        return 1, MERGE_ROWS_BLOCK
+    return triton.next_power_of_2(heads), 1
 
 
 def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
@@ -211,19 +227,20 @@ def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tenso
     entries[starts[t]:starts[t + 1]] (segment_plan.SegmentPlan.merge_starts), by LSE.
     `launches`: as for turn_rows_and_keys."""
     own_lse, earlier_lse = own_lse.float(), earlier_lse.float()
+    n, heads, head_size = output.shape
+    heads_block, rows_block = merge_launch_shape(n, heads)
 
     def bind(output, own_out, own_lse, earlier_out, earlier_lse):
-        head_size = output.shape[2]
         assert own_lse.stride(1) == 1 and earlier_lse.stride(1) == 1
         assert output.stride(-1) == own_out.stride(-1) == earlier_out.stride(-1) == 1
         args = (own_out, own_lse, earlier_out, earlier_lse, starts, entries, output,
                 own_out.stride(0), own_out.stride(1), own_lse.stride(0), earlier_out.stride(0),
                 earlier_out.stride(1), earlier_lse.stride(0), output.stride(0),
                 output.stride(1))
-        return args, dict(HEAD_SIZE=head_size, HEAD_PADDED=triton.next_power_of_2(head_size),
-                          ROWS_BLOCK=MERGE_ROWS_BLOCK)
+        return args, dict(HEADS=heads, HEADS_BLOCK=heads_block, HEAD_SIZE=head_size,
+                          HEAD_PADDED=triton.next_power_of_2(head_size), ROWS_BLOCK=rows_block)
 
-    launch(_merge_rows_kernel, (output.shape[0], output.shape[1]), bind,
+    launch(_merge_rows_kernel, (n, triton.cdiv(heads, heads_block)), bind,
            (output, own_out, own_lse, earlier_out, earlier_lse), (starts, entries), launches,
            "merge")
     return output

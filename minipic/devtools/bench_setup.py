@@ -18,7 +18,8 @@ TINY_MARKERS = {"ssep_token_id": 3, "pdep_token_id": 4, "pad_token_id": 5, "link
 DEFAULT_DISK_PHASES = ["warm:4"]
 
 
-# KV block size of each architecture's engine (CPU attention wants a multiple of 32).
+# KV block size of each architecture's engine (the tiny model runs on CPU attention, which
+# wants a multiple of 32).
 BLOCK_SIZES = {"tiny": 32, "llama3-8b": 16}
 
 

@@ -79,7 +79,7 @@ def _errors(name: str) -> dict[str, float]:
                          plan.earlier.query_index)
     whole = torch.empty_like(q)
     segment_attention(q, case.k_cache, case.v_cache, whole, batch, flash)
-    return {**_graph_errors(kwargs), "merge_many_rows": _many_rows_error(kwargs),
+    return {**_graph_errors(kwargs), **_many_rows_errors(kwargs),
             "turn": relative_error(by_kernel, by_torch),
             "turn_keys": relative_error(keys_by_kernel, keys_by_torch),
             "turn_both_queries": relative_error(both_q, by_torch),
@@ -129,12 +129,14 @@ def _graph_errors(kwargs: dict) -> dict[str, float]:
             "graph_padding": max(float(m[n:].float().abs().max()) for m in merged.values())}
 
 
-def _many_rows_error(kwargs: dict) -> float:
-    """Tokens with more earlier rows than a merge program loads at once (MERGE_ROWS_BLOCK,
-    a 40-document hit's question has 41), with none, and rows without keys, their rows
-    not side by side, against torch's merge."""
+def _many_rows_errors(kwargs: dict) -> dict[str, float]:
+    """merge_rows against torch's merge in both launch shapes (merge_launch_shape): tokens
+    with more earlier rows than a program loads at once (a 40-document hit's question has
+    41), with none, with rows without keys (FA3's -inf, FA2's +inf LSE), and with rows
+    that all lack keys; a token's rows not side by side."""
     import torch
 
+    from minipic.attention import segment_kernels
     from minipic.attention.segment_attention import merge
     from minipic.attention.segment_kernels import MERGE_ROWS_BLOCK, merge_rows
     from minipic.devtools.paged_attention_case import relative_error
@@ -142,21 +144,33 @@ def _many_rows_error(kwargs: dict) -> float:
     generator = torch.Generator().manual_seed(0)
     heads, d, dtype = kwargs["num_q_heads"], kwargs["head_size"], kwargs["dtype"]
     block = MERGE_ROWS_BLOCK
-    counts = torch.tensor([0, 1, block, block + 1, 2 * block + 9, 3])
-    n, m = counts.numel(), int(counts.sum())
-    token = torch.repeat_interleave(torch.arange(n), counts)[torch.randperm(m, generator=generator)]
-    entries = torch.argsort(token, stable=True).to(torch.int32)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
-    own_out, earlier_out = (torch.randn(k, heads, d, generator=generator).to(dtype) for k in (n, m))
-    own_lse = torch.randn(heads, n, generator=generator) * 3
-    earlier_lse = torch.randn(heads, m, generator=generator) * 3
-    own_lse[:, 0] = float("-inf")  # token 0: no keys at all, so 0
-    earlier_lse[:, int(entries[5])] = float("-inf")  # one row of token 3 without keys
-    by_kernel = merge_rows(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse, earlier_out,
-                           earlier_lse, starts, entries)
-    by_torch = merge(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse, earlier_out,
-                     earlier_lse, token)
-    return relative_error(by_kernel, by_torch)
+    counts = torch.tensor([0, 1, block, block + 1, 2 * block + 9, 3, 2])
+    errors = {}
+    split = segment_kernels.MERGE_SPLIT_HEADS_BELOW
+    # the second shape (a long chunk's) for these few tokens: the split moved below them
+    for name, split_below in (("merge_many_rows", split), ("merge_many_tokens", 1)):
+        segment_kernels.MERGE_SPLIT_HEADS_BELOW = split_below
+        n, m = counts.numel(), int(counts.sum())
+        token = torch.repeat_interleave(torch.arange(n), counts)[
+            torch.randperm(m, generator=generator)]
+        entries = torch.argsort(token, stable=True).to(torch.int32)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+        own_out, earlier_out = (torch.randn(k, heads, d, generator=generator).to(dtype)
+                                for k in (n, m))
+        own_lse = torch.randn(heads, n, generator=generator) * 3
+        earlier_lse = torch.randn(heads, m, generator=generator) * 3
+        own_lse[:, 0] = float("-inf")  # token 0: no keys at all, so 0
+        earlier_lse[:, int(entries[5])] = float("-inf")  # one of token 2's rows: no keys
+        earlier_lse[:, int(entries[40])] = float("inf")  # one of token 4's (FA2's no keys)
+        own_lse[:, 6] = float("inf")  # token 6: its own row and both earlier rows lack keys
+        earlier_lse[:, entries[starts[6]:starts[7]].long()] = float("-inf")
+        by_kernel = merge_rows(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse,
+                               earlier_out, earlier_lse, starts, entries)
+        by_torch = merge(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse, earlier_out,
+                         earlier_lse, token)
+        errors[name] = relative_error(by_kernel, by_torch)
+    segment_kernels.MERGE_SPLIT_HEADS_BELOW = split
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +187,8 @@ def interpreter_errors() -> dict:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("check", ["turn", "turn_keys", "turn_both_queries", "turn_both_keys",
-                                   "merge", "merge_many_rows", "merge_vs_reference",
+                                   "merge", "merge_many_rows", "merge_many_tokens",
+                                   "merge_vs_reference",
                                    "torch_path_vs_reference",
                                    "graph_turn", "graph_merge_vs_reference", "graph_padding"])
 def test_kernels_match_torch(interpreter_errors, name, check):
