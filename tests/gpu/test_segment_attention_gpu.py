@@ -33,6 +33,10 @@ BATCHES = {
     "epic_whole_prompt": ([16 + 288 + 96 + 50, 130], [0, 0],
                           [epic_markers(3, 6, 2, 5), epic_markers(2, 3, 1, 2)]),
     "hit_40_docs": ([50], [16 + 40 * 1008], ["-" + ("S" + "-" * 62) * 40 + "P"]),
+    # a long task chunk after three spans: 2112 tokens x 32 heads take the merge's other
+    # launch shape (segment_kernels.merge_launch_shape)
+    "long_task_after_spans": ([2112], [16 + 3 * 160],
+                              ["-" + ("S" + "-" * 9) * 3 + "P" + "-" * 131]),
 }
 
 
