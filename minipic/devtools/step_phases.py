@@ -9,7 +9,8 @@ for every process of the host) to `<folder>/<pid>.phases.jsonl`, flushed at the 
 step's last function (FLUSH_AFTER: a request's records are on disk once it has returned),
 every FLUSH_RECORDS records and at exit. Times are inclusive (schedule() holds the connector's
 lookups); a function vLLM runs once a layer is recorded once a layer. `phases_within` sums
-them by name inside a request's [begin, end] (tools/bench_ttft.py --step-phases).
+them by name inside a request's [begin, end] (tools/bench_ttft.py --step-phases). In
+compiled mode a function torch.compile traces (Attention.forward) is not recorded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import os
 import threading
 import time
 from pathlib import Path
+
+import torch
 
 from minipic.devtools.process_logs import read_records, this_process_log
 
@@ -143,6 +146,10 @@ def _wrap(target: str) -> None:
 
     @functools.wraps(original)
     def timed(*args, **kwargs):
+        # Inside a graph torch.compile traces (the model's layers, vLLM's default mode) a
+        # clock read fails the engine's start, and a replayed graph would time nothing.
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
         start = time.monotonic()
         try:
             return original(*args, **kwargs)

@@ -52,6 +52,29 @@ def test_calls_are_timed_once_where_defined_and_summed_in_a_window(tmp_path):
     assert phases_within(calls, end + 1, end + 2) == {}
 
 
+def test_a_timed_function_compiles_whole():
+    """vLLM compiles the model's forward in one graph (fullgraph), Attention.forward inside:
+    a clock read there failed the engine's start (compiled mode, --step-phases)."""
+    import torch
+
+    from minipic.devtools import step_phases
+
+    class Layer:
+        def forward(self, x):
+            return x * 2
+
+    module = type(sys)("compiled_module")
+    module.Layer = Layer
+    sys.modules["compiled_module"] = module
+    try:
+        step_phases._wrap("compiled_module:Layer.forward")
+        compiled = torch.compile(lambda x: Layer().forward(x) + 1, fullgraph=True,
+                                 backend="eager")
+        assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+    finally:
+        del sys.modules["compiled_module"]
+
+
 def test_the_timed_functions_exist_in_this_vllm():
     """At least the scheduler's and the runner's: a rename would silently time nothing."""
     import importlib
