@@ -12,7 +12,9 @@ Each phase runs in its own process, as a restart would:
   1. stock: vLLM without minipic; every final prompt is prefilled in full (its documents follow
      the system prompt in a new order, so the prefix cache only reuses the system prompt). Each
      prompt is then sent once more: that second TTFT is stock vLLM's own full prefix-cache hit
-     on the same prompt, the floor a hit can reach ("stock rerun");
+     on the same prompt, the floor a hit can reach ("stock rerun"), where stock computes one
+     token (the prompt's last); then the same documents with a new question, stock's prefix
+     hit computing the question as minipic's hit does ("stock, new question");
   2. gpu-hit: minipic with MiniPICConnector on a fresh store; spans prefilled once, then the
      final prompts hit them in GPU memory;
   3. disk phases (`--disk-phases`, default `warm:4`): each a new process on the same store, all
@@ -146,22 +148,33 @@ def report(results: list[dict], args) -> None:
         print("| phase | median TTFT (ms) | cached tokens / prompt tokens | speed-up vs stock | "
               + " | ".join(STAGES) + " (medians, ms) |")
         print("| --- | --- | --- | --- |" + " --- |" * len(STAGES))
-        rows = [(phase, p["median_ttft_s"], p, p.get("median_stages_s"))
-                for phase, p in point.items()]
-        rows.insert(1, ("stock rerun (full prefix hit)", point["stock"]["median_rerun_ttft_s"],
-                        None, point["stock"].get("median_rerun_stages_s")))
-        for name, ttft, p, stages in rows:
-            cached = f"{min(p['cached_tokens'])}-{max(p['cached_tokens'])} / {p['prompt_tokens']}" \
-                if p else "-"
+        stock_point = point["stock"]
+        # (name, median TTFT, cached tokens of each prompt or None, prompt tokens, stages)
+        rows = [(phase, p["median_ttft_s"], p["cached_tokens"], p["prompt_tokens"],
+                 p.get("median_stages_s")) for phase, p in point.items()]
+        rows.insert(1, ("stock rerun (full prefix hit)", stock_point["median_rerun_ttft_s"],
+                        None, None, stock_point.get("median_rerun_stages_s")))
+        if "median_newq_ttft_s" in stock_point:
+            rows.insert(2, ("stock, new question (prefix hit)", stock_point["median_newq_ttft_s"],
+                            stock_point["newq_cached_tokens"], stock_point["prompt_tokens"],
+                            stock_point.get("median_newq_stages_s")))
+        for name, ttft, cached_tokens, prompt_tokens, stages in rows:
+            cached = "-" if cached_tokens is None else \
+                f"{min(cached_tokens)}-{max(cached_tokens)} / {prompt_tokens}"
             split = " | ".join(f"{stages[s] * 1e3:.1f}" if stages else "-" for s in STAGES)
             print(f"| {name} | {ttft * 1e3:.1f} | {cached} | {stock / ttft:.1f}x | {split} |")
         for name, p in point.items():
-            for series, label in (("", name), ("rerun_", f"{name} rerun")):
+            for series, label in (("", name), ("rerun_", f"{name} rerun"),
+                                  ("newq_", f"{name} new question")):
                 if f"{series}gc_pause_s" in p:
                     print(f"{label}: garbage collections inside each timed request (ms): "
                           + ", ".join(f"{s * 1e3:.1f}" for s in p[f"{series}gc_pause_s"]))
         print_phases(point)
         hit = point["gpu-hit"]["median_ttft_s"]
+        floors = [("stock's full prefix hit", stock_point["median_rerun_ttft_s"]),
+                  ("stock's hit with a new question", stock_point.get("median_newq_ttft_s"))]
+        print("gpu-hit / " + "; / ".join(f"{label} = {hit / floor:.3f}"
+                                          for label, floor in floors if floor))
         for name, p in point.items():
             if name.startswith("disk"):
                 disk = p["median_ttft_s"]
@@ -180,6 +193,7 @@ def print_phases(point: dict) -> None:
     """--step-phases: each timed function's median seconds a request, stock's full hit
     beside minipic's GPU hit."""
     columns = [("stock rerun (full prefix hit)", point["stock"].get("rerun_phases_s")),
+               ("stock, new question", point["stock"].get("newq_phases_s")),
                ("gpu-hit", point.get("gpu-hit", {}).get("phases_s"))]
     columns = [(label, per_request) for label, per_request in columns if per_request]
     if not columns:

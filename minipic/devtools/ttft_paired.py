@@ -6,9 +6,9 @@ Both engines share the GPU and are started before anything is timed. Stock keeps
 at a time (STOCK_SHARE of the usual memory share); minipic's engine gets the rest, and must
 hold every timed prompt's documents in GPU memory: a hit served from the CPU tier is not a
 GPU hit (ttft_phases.check_gpu_holds refuses the run instead). Then for each timed prompt:
-stock's recompute of its final prompt, its rerun (stock's own full prefix hit) and
-minipic's hit on the same documents. The results are the two phases' ("stock", "gpu-hit"),
-tagged `paired`.
+stock's recompute of its final prompt, its rerun (stock's own full prefix hit), stock on the
+same documents with a new question, and minipic's hit on the same documents. The results are
+the two phases' ("stock", "gpu-hit"), tagged `paired`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ def run_paired(model: str, engine: dict, connector: dict, load: dict) -> list[di
     warm_up(stock, load, "stock", connector)
     stock_points: dict[int, dict] = {}
     hit_points: dict[int, dict] = {}
-    for (docs, stock_final), (_, hit_final) in zip(load["finals"]["stock"],
-                                                  load["finals"]["gpu-hit"]):
-        time_final(stock_points, "stock", stock, docs, stock_final, rerun=True)
+    for (docs, stock_final), (_, hit_final), (_, new_question) in zip(
+            load["finals"]["stock"], load["finals"]["gpu-hit"], load["new_questions"]):
+        time_final(stock_points, "stock", stock, docs, stock_final, rerun=True,
+                   new_question=new_question)
         time_final(hit_points, "gpu-hit", hit, docs, hit_final, rerun=False)
     stock_llm.llm_engine.engine_core.shutdown()
     hit_llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes

@@ -31,6 +31,10 @@ from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window
 from minipic.devtools.store_totals import store_totals
 from minipic.devtools.timing import timed
 
+# A point's timed series: the prompt, stock's rerun of it (its own full prefix hit), stock on
+# the same documents with a new question (its prefix hit when only the question is new).
+SERIES = ("", "rerun_", "newq_")
+
 # The store's counters that a disk phase's result reports (as `store_loads`).
 LOAD_COUNTERS = ("load_jobs", "load_us", "hit_blocks", "hit_bytes")
 
@@ -67,8 +71,21 @@ def workload(arch: str, doc_counts: list[int], doc_tokens: int, repeats: int, bl
     profile_docs = [words(doc_tokens) for _ in range(max(doc_counts))]
     profiled = {name: make(profile_docs).final for name in prompt_sets}
     every_doc = [doc for _, docs in doc_sets for doc in docs] + warm_docs + profile_docs
+    # Stock's prefix hit with a question of its own (the hit's work: its question), drawn
+    # apart so that the prompts above stay what they were.
+    new_words = random_words(random.Random(1), arch)
+    new_questions = [[k, with_new_question(final, protocol.pdep_token_id, new_words)]
+                     for k, final in finals.get("stock", [])]
     return {"prefills": make(every_doc).span_prefills, "finals": finals, "warmups": warmups,
-            "profiled": profiled}
+            "profiled": profiled, "new_questions": new_questions}
+
+
+def with_new_question(final: list[int], pdep: int, words) -> list[int]:
+    """`final` with what follows its last PDep marker drawn anew: the same documents in the
+    same order and another question, so stock's prefix cache holds all but the question
+    (its rerun of `final` itself computes one token, which vLLM runs as a decode step)."""
+    start = len(final) - 1 - final[::-1].index(pdep)
+    return final[: start + 1] + words(len(final) - start - 1)
 
 
 def final_prompt_tokens(doc_counts: list[int], doc_tokens: int, block_size: int) -> int:
@@ -155,8 +172,10 @@ def run_phase(phase: dict, model: str, engine: dict, connector: dict, load: dict
         check_gpu_holds(llm, load, engine["block_size"])
     warm_up(run, load, phase.prompts, connector)
     points: dict[int, dict] = {}
-    for docs, final in load["finals"][phase.prompts]:
-        time_final(points, phase.name, run, docs, final, rerun=not phase.minipic)
+    new_questions = load["new_questions"] if not phase.minipic else None
+    for i, (docs, final) in enumerate(load["finals"][phase.prompts]):
+        time_final(points, phase.name, run, docs, final, rerun=not phase.minipic,
+                   new_question=new_questions[i][1] if new_questions else None)
     if profile_dir or host_profile_dir:  # one more max-size prompt on fresh documents
         profiled = load["profiled"][phase.prompts]
         if not phase.minipic:  # stock: its own full prefix hit, the floor a hit is held to
@@ -212,15 +231,19 @@ def warm_up(run, load: dict, prompts: str, connector: dict) -> None:
 
 
 def time_final(points: dict[int, dict], name: str, run, docs: int, final: list[int],
-               rerun: bool) -> None:
+               rerun: bool, new_question: list[int] | None = None) -> None:
     """One timed final prompt into points[docs]; `rerun`: then the same prompt again, stock's
-    own full prefix-cache hit (as `rerun_ttft_s`)."""
+    own full prefix-cache hit (as `rerun_ttft_s`); `new_question`: then that prompt, the
+    same documents with another question (as `newq_ttft_s`, its cached tokens too)."""
     point = points.setdefault(docs, {"docs": docs, "ttft_s": [], "cached_tokens": [],
                                      "prompt_tokens": len(final)})
     out = _time_one(point, "", f"{name} docs={docs}", run, final)
     point["cached_tokens"].append(out.num_cached_tokens)
     if rerun:
         _time_one(point, "rerun_", f"stock-rerun docs={docs}", run, final)
+    if new_question is not None:
+        out = _time_one(point, "newq_", f"stock-new-question docs={docs}", run, new_question)
+        point.setdefault("newq_cached_tokens", []).append(out.num_cached_tokens)
 
 
 def _time_one(point: dict, series: str, window: str, run, final: list[int]):
@@ -246,7 +269,7 @@ def phase_result(name: str, points: dict[int, dict], **tags) -> dict:
     folder = os.environ.get(step_phases.ENV_FOLDER)
     calls = step_phases.read_phases(Path(folder)) if folder else None
     for point in points.values():
-        for series in ("", "rerun_"):
+        for series in SERIES:
             if f"{series}ttft_s" in point:
                 point[f"median_{series}ttft_s"] = statistics.median(point[f"{series}ttft_s"])
                 point[f"median_{series}stages_s"] = median_stages(point[f"{series}stages_s"])

@@ -9,7 +9,8 @@ import pytest
 
 from minipic.devtools.bench_setup import TINY_MARKERS
 from minipic.devtools.ttft_phases import (GpuTooSmallError, check_gpu_holds, gpu_blocks_needed,
-                                          load_counters, phases_of, workload)
+                                          load_counters, phases_of, with_new_question,
+                                          workload)
 
 
 def test_phases_of_disk_specs():
@@ -40,6 +41,22 @@ def test_every_timed_prompt_has_documents_of_its_own():
     # The sets share their documents and differ in their questions.
     stock, hit = load["finals"]["stock"], load["finals"]["gpu-hit"]
     assert all(docs_of(a) == docs_of(b) and a != b for (_, a), (_, b) in zip(stock, hit))
+
+
+def test_stock_gets_the_same_documents_with_a_new_question():
+    """Stock's rerun of a prompt computes one token (a decode step); its prompt with a new
+    question keeps every block up to the question's (the PDep block) and changes the rest,
+    so stock's prefix hit then computes what minipic's hit computes: the question."""
+    block, pdep = 32, TINY_MARKERS["pdep_token_id"]
+    load = workload("tiny", [1, 2], 40, 2, block, TINY_MARKERS, ["stock", "gpu-hit"])
+    assert [k for k, _ in load["new_questions"]] == [k for k, _ in load["finals"]["stock"]]
+    for (_, final), (_, asked) in zip(load["finals"]["stock"], load["new_questions"]):
+        question = len(final) - 1 - final[::-1].index(pdep)
+        assert question % block == 0 and len(asked) == len(final)
+        assert asked[: question + 1] == final[: question + 1]
+        assert asked[question + 1:] != final[question + 1:]
+    assert "new_questions" in workload("tiny", [1], 40, 1, block, TINY_MARKERS, ["gpu-hit"])
+    assert with_new_question([1, 4, 2, 4, 5, 6], 4, lambda n: [9] * n) == [1, 4, 2, 4, 9, 9]
 
 
 def test_load_counters_of_a_store_not_written_yet(tmp_path):
