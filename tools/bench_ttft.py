@@ -59,7 +59,7 @@ from minipic.devtools.bench_setup import (  # noqa: E402
 from minipic.devtools import gc_pauses, step_phases  # noqa: E402
 from minipic.devtools.request_stages import STAGES  # noqa: E402
 from minipic.devtools.stack_sampler import ENV_FOLDER  # noqa: E402
-from minipic.devtools.ttft_phases import measure  # noqa: E402
+from minipic.devtools.ttft_phases import SERIES, measure  # noqa: E402
 
 
 def main() -> None:
@@ -164,8 +164,8 @@ def report(results: list[dict], args) -> None:
             split = " | ".join(f"{stages[s] * 1e3:.1f}" if stages else "-" for s in STAGES)
             print(f"| {name} | {ttft * 1e3:.1f} | {cached} | {stock / ttft:.1f}x | {split} |")
         for name, p in point.items():
-            for series, label in (("", name), ("rerun_", f"{name} rerun"),
-                                  ("newq_", f"{name} new question")):
+            for series, called in SERIES.items():
+                label = f"{name} {called}".strip()
                 if f"{series}gc_pause_s" in p:
                     print(f"{label}: garbage collections inside each timed request (ms): "
                           + ", ".join(f"{s * 1e3:.1f}" for s in p[f"{series}gc_pause_s"]))

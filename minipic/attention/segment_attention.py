@@ -152,8 +152,8 @@ def merge(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
     peak.scatter_reduce_(1, token[None].expand(heads, -1), earlier_lse, "amax")
     # a token without keys (graph padding) gets 0
     peak = torch.where(peak == float("-inf"), 0.0, peak)
-    own_weight = torch.exp(own_lse.float() - peak)  # [heads, n]
-    earlier_weight = torch.exp(earlier_lse.float() - peak[:, token])  # [heads, m]
+    own_weight = torch.exp(own_lse - peak)  # [heads, n]
+    earlier_weight = torch.exp(earlier_lse - peak[:, token])  # [heads, m]
     total = own_out.float() * own_weight.t()[..., None]
     total.index_add_(0, token, earlier_out.float() * earlier_weight.t()[..., None])
     norm = own_weight.index_add(1, token, earlier_weight)

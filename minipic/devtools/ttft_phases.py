@@ -31,9 +31,10 @@ from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window
 from minipic.devtools.store_totals import store_totals
 from minipic.devtools.timing import timed
 
-# A point's timed series: the prompt, stock's rerun of it (its own full prefix hit), stock on
-# the same documents with a new question (its prefix hit when only the question is new).
-SERIES = ("", "rerun_", "newq_")
+# A point's timed series by key prefix, with what they are called: the prompt, stock's rerun
+# of it (its own full prefix hit), stock on the same documents with a new question (its
+# prefix hit when only the question is new).
+SERIES = {"": "", "rerun_": "rerun", "newq_": "new question"}
 
 # The store's counters that a disk phase's result reports (as `store_loads`).
 LOAD_COUNTERS = ("load_jobs", "load_us", "hit_blocks", "hit_bytes")

@@ -137,40 +137,50 @@ def _many_rows_errors(kwargs: dict) -> dict[str, float]:
     import torch
 
     from minipic.attention import segment_kernels
-    from minipic.attention.segment_attention import merge
-    from minipic.attention.segment_kernels import MERGE_ROWS_BLOCK, merge_rows
-    from minipic.devtools.paged_attention_case import relative_error
 
     generator = torch.Generator().manual_seed(0)
     heads, d, dtype = kwargs["num_q_heads"], kwargs["head_size"], kwargs["dtype"]
-    block = MERGE_ROWS_BLOCK
+    block = segment_kernels.MERGE_ROWS_BLOCK
     counts = torch.tensor([0, 1, block, block + 1, 2 * block + 9, 3, 2])
     errors = {}
     split = segment_kernels.MERGE_SPLIT_HEADS_BELOW
-    # the second shape (a long chunk's) for these few tokens: the split moved below them
-    for name, split_below in (("merge_many_rows", split), ("merge_many_tokens", 1)):
-        segment_kernels.MERGE_SPLIT_HEADS_BELOW = split_below
-        n, m = counts.numel(), int(counts.sum())
-        token = torch.repeat_interleave(torch.arange(n), counts)[
-            torch.randperm(m, generator=generator)]
-        entries = torch.argsort(token, stable=True).to(torch.int32)
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
-        own_out, earlier_out = (torch.randn(k, heads, d, generator=generator).to(dtype)
-                                for k in (n, m))
-        own_lse = torch.randn(heads, n, generator=generator) * 3
-        earlier_lse = torch.randn(heads, m, generator=generator) * 3
-        own_lse[:, 0] = float("-inf")  # token 0: no keys at all, so 0
-        earlier_lse[:, int(entries[5])] = float("-inf")  # one of token 2's rows: no keys
-        earlier_lse[:, int(entries[40])] = float("inf")  # one of token 4's (FA2's no keys)
-        own_lse[:, 6] = float("inf")  # token 6: its own row and both earlier rows lack keys
-        earlier_lse[:, entries[starts[6]:starts[7]].long()] = float("-inf")
-        by_kernel = merge_rows(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse,
-                               earlier_out, earlier_lse, starts, entries)
-        by_torch = merge(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse, earlier_out,
-                         earlier_lse, token)
-        errors[name] = relative_error(by_kernel, by_torch)
-    segment_kernels.MERGE_SPLIT_HEADS_BELOW = split
+    try:
+        # the second shape (a long chunk's) for these few tokens: the split moved below them
+        for name, split_below in (("merge_many_rows", split), ("merge_many_tokens", 1)):
+            segment_kernels.MERGE_SPLIT_HEADS_BELOW = split_below
+            errors[name] = _merge_error(counts, heads, d, dtype, generator)
+    finally:
+        segment_kernels.MERGE_SPLIT_HEADS_BELOW = split
     return errors
+
+
+def _merge_error(counts, heads: int, d: int, dtype, generator) -> float:
+    """merge_rows against torch's merge for tokens with `counts` earlier rows each."""
+    import torch
+
+    from minipic.attention.segment_attention import merge
+    from minipic.attention.segment_kernels import merge_rows
+    from minipic.devtools.paged_attention_case import relative_error
+
+    n, m = counts.numel(), int(counts.sum())
+    token = torch.repeat_interleave(torch.arange(n), counts)[
+        torch.randperm(m, generator=generator)]
+    entries = torch.argsort(token, stable=True).to(torch.int32)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    own_out, earlier_out = (torch.randn(k, heads, d, generator=generator).to(dtype)
+                            for k in (n, m))
+    own_lse = torch.randn(heads, n, generator=generator) * 3
+    earlier_lse = torch.randn(heads, m, generator=generator) * 3
+    own_lse[:, 0] = float("-inf")  # token 0: no keys at all, so 0
+    earlier_lse[:, int(entries[5])] = float("-inf")  # one of token 2's rows: no keys
+    earlier_lse[:, int(entries[40])] = float("inf")  # one of token 4's (FA2's no keys)
+    own_lse[:, 6] = float("inf")  # token 6: its own row and both earlier rows lack keys
+    earlier_lse[:, entries[starts[6]:starts[7]].long()] = float("-inf")
+    by_kernel = merge_rows(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse,
+                           earlier_out, earlier_lse, starts, entries)
+    by_torch = merge(torch.empty(n, heads, d, dtype=dtype), own_out, own_lse, earlier_out,
+                     earlier_lse, token)
+    return relative_error(by_kernel, by_torch)
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +198,7 @@ def interpreter_errors() -> dict:
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("check", ["turn", "turn_keys", "turn_both_queries", "turn_both_keys",
                                    "merge", "merge_many_rows", "merge_many_tokens",
-                                   "merge_vs_reference",
-                                   "torch_path_vs_reference",
+                                   "merge_vs_reference", "torch_path_vs_reference",
                                    "graph_turn", "graph_merge_vs_reference", "graph_padding"])
 def test_kernels_match_torch(interpreter_errors, name, check):
     err = interpreter_errors[name]
