@@ -16,7 +16,8 @@ Variants, all on the same cache and queries:
   triton          minipic's Triton span kernel (span_attention="triton").
 Times: median of CUDA-event timed launches after warm-up (eager: the rows are not
 captured); `*_host_us`: the host's time to launch one call (what a host-bound step pays
-per layer). Writes results.json and results.md under --out.
+per layer). Writes results.json and results.md under --out; `--host-profile` adds a
+cProfile of each batch's rows path (`host_profile_<batch>.txt`: where its host time goes).
 
     tools/gpu_run.sh python3 tools/bench_span_attention.py --out $OUT/span_attention
 """
@@ -24,8 +25,11 @@ per layer). Writes results.json and results.md under --out.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -142,11 +146,30 @@ def plan_ms(b: Batch, repeats: int = 20) -> float:
     return (time.perf_counter() - began) / repeats * 1e3
 
 
-def measure(name: str) -> dict:
+def host_profile(fn, repeats: int = 200) -> str:
+    """cProfile's listing of `repeats` calls, by time spent in each function itself."""
+    fn()
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(repeats):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    return f"{repeats} calls\n" + text.getvalue()
+
+
+def measure(name: str, profile_dir: Path | None = None) -> dict:
     b = Batch(name, torch.Generator().manual_seed(0))
     outs, row = {}, {"batch": name, "requests": b.cu.numel() - 1, "query_tokens": b.q.shape[0],
                      "seq_len": b.seq_len}
-    for variant, fn in launchers(b, out := torch.empty_like(b.q)).items():
+    variants = launchers(b, out := torch.empty_like(b.q))
+    if profile_dir is not None:
+        (profile_dir / f"host_profile_{name}.txt").write_text(
+            host_profile(variants["flash_rows"]))
+    for variant, fn in variants.items():
         row[f"{variant}_ms"] = round(time_ms(fn), 4)
         outs[variant] = out.clone()
         row[f"{variant}_host_us"] = round(host_us(fn), 1)
@@ -161,11 +184,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", nargs="*", default=sorted(BATCHES))
+    parser.add_argument("--host-profile", action="store_true",
+                        help="cProfile each batch's rows path into --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.batches:
-        rows.append(measure(name))
+        rows.append(measure(name, args.out if args.host_profile else None))
         print(json.dumps(rows[-1]), flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     (args.out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
