@@ -37,10 +37,13 @@ SUFFIX = ".phases.jsonl"
 FLUSH_RECORDS = 512
 FLUSH_AFTER = frozenset({"Scheduler.update_from_output", "OutputProcessor.process_outputs"})
 
-# "module:Class.method", by the process that runs it; versions without one skip it.
+# "module:Class.method" or "module:function" (the name as that module calls it: a function
+# imported by name is timed in the module that imported it), by the process that runs it;
+# versions without one skip it.
 TIMED = (
     # front end
     "vllm.v1.engine.input_processor:InputProcessor.process_inputs",
+    "minipic.protocol:SpanProtocol.check_marker_placement",
     "vllm.v1.engine.output_processor:OutputProcessor.process_outputs",
     # engine core: its input thread, then the scheduler
     "vllm.v1.engine.core:EngineCore.preprocess_add_request",
@@ -81,8 +84,16 @@ TIMED = (
     # attention: metadata once a step, the layers' calls once a layer
     "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build",
     "minipic.attention.cuda_backend:SpanBatchBuilder._add_spans",
+    "minipic.attention.cuda_backend:current_layout",
+    "minipic.attention.cuda_backend:segment_plan",
+    "minipic.attention.cuda_backend:prepare",
+    "minipic.attention.cuda_backend:key_turn_backs",
     "vllm.model_executor.layers.attention.attention:Attention.forward",
     "minipic.attention.cuda_backend:SpanBatchImpl.forward",
+    # minipic's rows path a layer: the turn, the FlashAttention calls, the merge
+    "minipic.attention.segment_kernels:turn_rows_and_keys",
+    "minipic.attention.cuda_backend:vllm_flash_rows",
+    "minipic.attention.segment_kernels:merge_rows",
     "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
 )
 
@@ -133,16 +144,17 @@ def _open_recorder() -> None:
 
 def _wrap(target: str) -> None:
     module_name, _, attribute = target.partition(":")
-    class_name, _, method_name = attribute.partition(".")
+    owner_name, _, method_name = attribute.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
     except Exception as e:  # not in this vLLM (or this platform): nothing to time
         logger.debug("minipic step phases: no %s (%s)", target, e)
         return
-    original = cls.__dict__.get(method_name)
+    original = vars(owner).get(method_name)
     if not inspect.isfunction(original):
         return  # inherited only (timed where it is defined), or a static or class method
-    name = f"{class_name}.{method_name}"
+    name = attribute
 
     @functools.wraps(original)
     def timed(*args, **kwargs):
@@ -157,7 +169,7 @@ def _wrap(target: str) -> None:
             if _recorder is not None:
                 _recorder.add(name, start, time.monotonic() - start)
 
-    setattr(cls, method_name, timed)
+    setattr(owner, method_name, timed)
 
 
 def read_phases(folder: Path) -> list[tuple[str, float, float]]:

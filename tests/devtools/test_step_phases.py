@@ -19,6 +19,10 @@ MODULE = textwrap.dedent("""
 
     class Child(Base):
         pass
+
+    def helper():
+        time.sleep(0.002)
+        return "helped"
 """)
 
 CHILD = textwrap.dedent("""
@@ -28,10 +32,12 @@ CHILD = textwrap.dedent("""
     step_phases._wrap("timed_module:Base.step")
     step_phases._wrap("timed_module:Child.step")  # inherited only: timed once, in Base
     step_phases._wrap("no_such_module:Thing.run")  # not here: skipped
+    step_phases._wrap("timed_module:helper")  # a module's function
     import timed_module
     begin = time.monotonic()
     assert timed_module.Child().step() == "stepped"
     assert timed_module.Base().step() == "stepped"
+    assert timed_module.helper() == "helped"
     end = time.monotonic()
     step_phases._recorder.flush()
     print(json.dumps([begin, end]))
@@ -49,6 +55,7 @@ def test_calls_are_timed_once_where_defined_and_summed_in_a_window(tmp_path):
     assert len(calls) == 2 and all(c[2] >= 0.002 for c in calls)
     totals = phases_within(read_phases(folder), begin, end)
     assert totals["Base.step"] >= 0.004 and "Child.step" not in totals
+    assert totals["helper"] >= 0.002
     assert phases_within(calls, end + 1, end + 2) == {}
 
 
@@ -82,9 +89,10 @@ def test_the_timed_functions_exist_in_this_vllm():
     found = []
     for target in TIMED:
         module, _, attribute = target.partition(":")
-        cls, _, method = attribute.partition(".")
+        owner, _, name = attribute.rpartition(".")
         try:
-            found.append(method in vars(getattr(importlib.import_module(module), cls)))
+            imported = importlib.import_module(module)
+            found.append(name in vars(getattr(imported, owner) if owner else imported))
         except Exception:
             found.append(False)
     named = dict(zip(TIMED, found))
