@@ -276,11 +276,11 @@ class SpanBatchImpl:
                 "causality, no multimodal bidirectional ranges)")
         n = md.num_actual_tokens
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-        rope = current_rope()
         if rows is not None:  # link shifts are in the rows' turns
             segment_attention(query[:n], key_cache, value_cache, output[:n], rows,
                               self.run_flash_rows, self._new_keys(layer, key, value, md))
             return output
+        rope = current_rope()
         query = turn_back_tokens(query, md.minipic_token_shift)
         split_output, split_max, split_expsum = md.minipic_split_kv_scratch
         unified_attention_rope(

@@ -100,6 +100,12 @@ def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     if plan.joint is not None:  # one query per run: both kinds of rows in one call
         joint_out, joint_lse = flash(turned, key_cache, value_cache, plan.joint,
                                      batch.joint_table, causal=False)
+        if output.is_cuda:  # its own rows are the first n, its earlier rows follow
+            from minipic.attention.segment_kernels import merge_rows
+
+            return merge_rows(output, joint_out, joint_lse, joint_out, joint_lse,
+                              plan.merge_starts, plan.merge_entries, batch.launches,
+                              earlier_offset=n)
         own_out, own_lse = joint_out[:n], joint_lse[:, :n]
         earlier_out, earlier_lse = joint_out[n:], joint_lse[:, n:]
     else:

@@ -155,9 +155,9 @@ def _no_keys_as_minus_inf(lse):
 
 @triton.jit
 def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, starts_ptr,
-                       entries_ptr, out_ptr, own_stride_t, own_stride_h, own_lse_stride_h,
-                       earlier_stride_t, earlier_stride_h, earlier_lse_stride_h,
-                       out_stride_t, out_stride_h, HEADS: tl.constexpr,
+                       entries_ptr, earlier_offset, out_ptr, own_stride_t, own_stride_h,
+                       own_lse_stride_h, earlier_stride_t, earlier_stride_h,
+                       earlier_lse_stride_h, out_stride_t, out_stride_h, HEADS: tl.constexpr,
                        HEADS_BLOCK: tl.constexpr, HEAD_SIZE: tl.constexpr,
                        HEAD_PADDED: tl.constexpr, ROWS_BLOCK: tl.constexpr):
     # One program per (token, HEADS_BLOCK heads), ROWS_BLOCK of the token's earlier rows a
@@ -173,7 +173,8 @@ def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, start
     peak = own_lse
     for chunk in range(first, last, ROWS_BLOCK):
         row_mask = chunk + rows < last
-        entry = tl.load(entries_ptr + chunk + rows, mask=row_mask, other=0).to(tl.int64)
+        entry = tl.load(entries_ptr + chunk + rows, mask=row_mask, other=0).to(tl.int64) \
+            + earlier_offset
         lse = tl.load(earlier_lse_ptr + head[None, :] * earlier_lse_stride_h + entry[:, None],
                       mask=row_mask[:, None] & head_mask[None, :], other=float("-inf"))
         peak = tl.maximum(peak, tl.max(_no_keys_as_minus_inf(lse), axis=0))
@@ -188,7 +189,8 @@ def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, start
     norm = weight
     for chunk in range(first, last, ROWS_BLOCK):
         row_mask = chunk + rows < last
-        entry = tl.load(entries_ptr + chunk + rows, mask=row_mask, other=0).to(tl.int64)
+        entry = tl.load(entries_ptr + chunk + rows, mask=row_mask, other=0).to(tl.int64) \
+            + earlier_offset
         w = tl.exp(_no_keys_as_minus_inf(tl.load(
             earlier_lse_ptr + head[None, :] * earlier_lse_stride_h + entry[:, None],
             mask=row_mask[:, None] & head_mask[None, :], other=float("-inf"))) - peak[None, :])
@@ -222,10 +224,12 @@ def merge_launch_shape(tokens: int, heads: int) -> tuple[int, int]:
 
 def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
                earlier_out: torch.Tensor, earlier_lse: torch.Tensor, starts: torch.Tensor,
-               entries: torch.Tensor, launches: dict | None = None) -> torch.Tensor:
+               entries: torch.Tensor, launches: dict | None = None,
+               earlier_offset: int = 0) -> torch.Tensor:
     """output [n, heads, d]: each token's own row merged with its earlier rows
-    entries[starts[t]:starts[t + 1]] (segment_plan.SegmentPlan.merge_starts), by LSE.
-    `launches`: as for turn_rows_and_keys."""
+    entries[starts[t]:starts[t + 1]] (segment_plan.SegmentPlan.merge_starts), by LSE,
+    read at earlier_offset + entry (one call's output holding both kinds of rows, the
+    earlier after the own: no views to make). `launches`: as for turn_rows_and_keys."""
     own_lse, earlier_lse = own_lse.float(), earlier_lse.float()
     n, heads, head_size = output.shape
     heads_block, rows_block = merge_launch_shape(n, heads)
@@ -233,16 +237,16 @@ def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tenso
     def bind(output, own_out, own_lse, earlier_out, earlier_lse):
         assert own_lse.stride(1) == 1 and earlier_lse.stride(1) == 1
         assert output.stride(-1) == own_out.stride(-1) == earlier_out.stride(-1) == 1
-        args = (own_out, own_lse, earlier_out, earlier_lse, starts, entries, output,
-                own_out.stride(0), own_out.stride(1), own_lse.stride(0), earlier_out.stride(0),
-                earlier_out.stride(1), earlier_lse.stride(0), output.stride(0),
-                output.stride(1))
+        args = (own_out, own_lse, earlier_out, earlier_lse, starts, entries, earlier_offset,
+                output, own_out.stride(0), own_out.stride(1), own_lse.stride(0),
+                earlier_out.stride(0), earlier_out.stride(1), earlier_lse.stride(0),
+                output.stride(0), output.stride(1))
         return args, dict(HEADS=heads, HEADS_BLOCK=heads_block, HEAD_SIZE=head_size,
                           HEAD_PADDED=triton.next_power_of_2(head_size), ROWS_BLOCK=rows_block)
 
     launch(_merge_rows_kernel, (n, triton.cdiv(heads, heads_block)), bind,
-           (output, own_out, own_lse, earlier_out, earlier_lse), (starts, entries), launches,
-           "merge")
+           (output, own_out, own_lse, earlier_out, earlier_lse),
+           (starts, entries, earlier_offset), launches, "merge")
     return output
 
 
@@ -300,11 +304,13 @@ class RepeatedLaunch:
         self._slots: list[list[int]] = []  # where each tensor stands in _args
 
     def __call__(self, grid: tuple, bind, tensors: tuple, fixed: tuple) -> None:
-        key = (grid, *(id(f) if isinstance(f, torch.Tensor) else f for f in fixed),
-               *(None if t is None else (t.dtype, t.data_ptr() % 16, t.shape, t.stride())
-                 for t in tensors),
+        # Lists, not generators: this runs twice a layer, and its time is the launch's.
+        ids = [id(t) for t in tensors]
+        key = (grid, [id(f) if isinstance(f, torch.Tensor) else f for f in fixed],
+               [None if t is None else (t.dtype, t.data_ptr() & 15, t.shape, t.stride())
+                for t in tensors],
                # which tensors are one object: the slots found by identity hold for these
-               tuple(next(j for j, u in enumerate(tensors) if u is t) for t in tensors))
+               list(map(ids.index, ids)))
         if self._compiled is None or key != self._key:
             args, constexprs = bind(*tensors)
             self._compiled = self._kernel[grid](*args, **constexprs)

@@ -123,9 +123,14 @@ def _graph_errors(kwargs: dict) -> dict[str, float]:
         merged[name] = merge_rows(torch.empty_like(q), out[:padded], lse[:, :padded],
                                   out[padded:], lse[:, padded:], batch.plan.merge_starts,
                                   batch.plan.merge_entries)
+    # as segment_attention merges one call's output on CUDA: both kinds of rows in it, the
+    # earlier ones from row `padded` on (no views); the padding's rows at FA2's +inf
+    joint = merge_rows(torch.empty_like(q), out, lse, out, lse, batch.plan.merge_starts,
+                       batch.plan.merge_entries, earlier_offset=padded)
     return {"graph_turn": relative_error(by_kernel[:used], by_torch[:used]),
             "graph_merge_vs_reference": relative_error(merged["fa3"][:n],
                                                        reference_attention(case)),
+            "graph_merge_one_output": relative_error(joint, merged["fa2"]),
             "graph_padding": max(float(m[n:].float().abs().max()) for m in merged.values())}
 
 
@@ -199,7 +204,8 @@ def interpreter_errors() -> dict:
 @pytest.mark.parametrize("check", ["turn", "turn_keys", "turn_both_queries", "turn_both_keys",
                                    "merge", "merge_many_rows", "merge_many_tokens",
                                    "merge_vs_reference", "torch_path_vs_reference",
-                                   "graph_turn", "graph_merge_vs_reference", "graph_padding"])
+                                   "graph_turn", "graph_merge_vs_reference",
+                                   "graph_merge_one_output", "graph_padding"])
 def test_kernels_match_torch(interpreter_errors, name, check):
     err = interpreter_errors[name]
     assert isinstance(err, dict), err  # the child reports an exception as text
