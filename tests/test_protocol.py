@@ -68,3 +68,24 @@ def test_a_second_run_of_links_is_refused():
                                                    "link blocks"):
         P.check_marker_placement(blocks(1, 3, 6, 3, 6, 4), B)
     P.check_marker_placement(blocks(1, 3, 9, 3, 6, 9, 6, 4, 9), B)  # one run, link 1 of 2 blocks
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_marker_inside_a_block_is_refused_at_its_first_position(seed):
+    """Against a plain loop over every token: block starts may hold markers (here SSep and
+    PDep, which need no link order), any other position refuses the prompt, the error
+    names the first one; a tuple prompt and a partial last block are checked alike."""
+    import random
+
+    rng = random.Random(seed)
+    protocol, block_size = SpanProtocol(3, 4, 5), rng.choice([2, 4, 16])
+    tokens = [rng.choice([3, 4, 5, 9, 9, 9]) if i % block_size == 0 or rng.random() < 0.01
+              else rng.choice([5, 9, 10]) for i in range(rng.randrange(1, 400))]
+    misplaced = [i for i, t in enumerate(tokens) if i % block_size and t in (3, 4)]
+    if not misplaced:
+        protocol.check_marker_placement(tuple(tokens), block_size)
+        return
+    name = {3: "SSep", 4: "PDep"}[tokens[misplaced[0]]]
+    with pytest.raises(MisplacedMarkerError,
+                       match=f"prompt token {misplaced[0]} is minipic's {name} marker"):
+        protocol.check_marker_placement(tuple(tokens), block_size)
