@@ -21,19 +21,27 @@ class Rotation:
 
     @classmethod
     def at(cls, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
-           is_neox_style: bool, backwards: bool = False, pure: bool = False) -> Rotation:
+           is_neox_style: bool, backwards: bool = False, pure: bool = False,
+           non_negative: bool = False) -> Rotation:
         """RoPE at `positions` [tokens] from `cos_sin` [max_positions, rotary_dim] =
         cat(cos, sin), as in vLLM's `cos_sin_cache`. `backwards` rotates by -positions
         (R(p) is orthogonal: its inverse is R(-p)). `pure` divides out a scale the table
-        folds into its rows (see turn_back)."""
-        positions = positions.long()
-        cos, sin = cos_sin.index_select(0, positions.abs()).float().chunk(2, dim=-1)
-        # R(-p) = (cos p, -sin p): a negative position turns the other way (mask_markers
-        # reads a span at the prompt's start from one position before it, see span_layout).
-        flip = (positions < 0)[:, None]
-        if backwards:
-            flip = ~flip
-        sin = torch.where(flip, -sin, sin)
+        folds into its rows (see turn_back). `non_negative`: the caller checked on the host
+        that no position is negative, so the sign's device ops are left out."""
+        if non_negative:
+            cos, sin = cos_sin.index_select(0, positions).float().chunk(2, dim=-1)
+            if backwards:
+                sin = -sin
+        else:
+            positions = positions.long()
+            cos, sin = cos_sin.index_select(0, positions.abs()).float().chunk(2, dim=-1)
+            # R(-p) = (cos p, -sin p): a negative position turns the other way (mask_markers
+            # reads a span at the prompt's start from one position before it, see
+            # span_layout).
+            flip = (positions < 0)[:, None]
+            if backwards:
+                flip = ~flip
+            sin = torch.where(flip, -sin, sin)
         if pure:
             scale = cos_sin[0, : cos.shape[-1]].float()  # row 0 is (a, 0): a = 1 without mscale
             cos, sin = cos / scale, sin / scale
@@ -41,9 +49,10 @@ class Rotation:
 
     @classmethod
     def back(cls, shifts: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
-             is_neox_style: bool) -> Rotation:
+             is_neox_style: bool, non_negative: bool = False) -> Rotation:
         """The pure rotation by -shifts (see turn_back), to apply at every layer."""
-        return cls.at(shifts, cos_sin, rotary_dim, is_neox_style, backwards=True, pure=True)
+        return cls.at(shifts, cos_sin, rotary_dim, is_neox_style, backwards=True, pure=True,
+                      non_negative=non_negative)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """`x` [tokens, ..., head_size] rotated (fp32); dimensions past rotary_dim pass."""

@@ -61,19 +61,33 @@ def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Te
     """`host_plan` moved to the block table's device, its tables and turns looked up."""
     # on the host: no device sync. A joint call reads its queries from the turned rows only.
     own_turned = host_plan.joint is not None or bool(host_plan.own.query_turn.any())
+    # Turns are frame offsets and link shifts, never negative: checked here on the host, so
+    # that the device's lookup skips the sign (every device op is host time, once a batch).
+    non_negative = all(rows.query_turn.numpy().min(initial=0) >= 0
+                       for rows in _turned_rows(host_plan, own_turned))
     plan = host_plan.to(block_table.device)
-    own, earlier = plan.own, plan.earlier
-    if plan.joint is not None:  # its rows are own's, then earlier's
-        parts = [plan.joint]
-    else:
-        parts = ([own] if own_turned else []) + ([earlier] if earlier is not None else [])
+    parts = _turned_rows(plan, own_turned)
     turn_index = turn = None
     if parts:
-        turn_index = torch.cat([rows.query_index for rows in parts])
-        turn = Rotation.back(torch.cat([rows.query_turn for rows in parts]), cos_sin,
-                             rotary_dim, is_neox_style)
+        turn_index = _cat([rows.query_index for rows in parts])
+        turn = Rotation.back(_cat([rows.query_turn for rows in parts]), cos_sin, rotary_dim,
+                             is_neox_style, non_negative=non_negative)
     return SegmentBatch(plan, *_row_tables(plan, block_table), turn_index, turn, own_turned,
                         rotary_dim, is_neox_style)
+
+
+def _turned_rows(plan: SegmentPlan, own_turned: bool) -> list[FlashRows]:
+    """The rows whose queries are turned, in the turn's order: a joint call's (its rows
+    are own's, then earlier's), else own's when they turn, then earlier's."""
+    if plan.joint is not None:
+        return [plan.joint]
+    return ([plan.own] if own_turned else []) + (
+        [plan.earlier] if plan.earlier is not None else [])
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, but one tensor is itself (cat would copy it: a device op)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def with_block_table(batch: SegmentBatch, block_table: torch.Tensor) -> SegmentBatch:

@@ -75,17 +75,24 @@ class SegmentPlan:
 
     def to(self, device: torch.device | str) -> "SegmentPlan":
         """The plan on `device`, in one copy per dtype (a dozen small copies would each
-        wait for the device)."""
-        parts = {("own", name): t for name, t in self.own.tensors().items()}
+        wait for the device). Beside a joint call the own and earlier rows stay on the
+        host: the joint call holds them, and the device reads nothing else (CPU tests'
+        torch merge reads earlier.query_index, on the host there)."""
+        joint = self.joint is not None
+        parts = {} if joint else {("own", name): t for name, t in self.own.tensors().items()}
         if self.earlier is not None:
-            parts.update({("earlier", name): t for name, t in self.earlier.tensors().items()})
+            if not joint:
+                parts.update({("earlier", name): t
+                              for name, t in self.earlier.tensors().items()})
             parts[("plan", "merge_starts")] = self.merge_starts
             parts[("plan", "merge_entries")] = self.merge_entries
-        if self.joint is not None:
+        if joint:
             parts.update({("joint", name): t for name, t in self.joint.tensors().items()})
         moved = _move_packed(parts, torch.device(device))
 
-        def rows(which: str, host: FlashRows) -> FlashRows:
+        def rows(which: str, host: FlashRows | None) -> FlashRows | None:
+            if host is None or (joint and which != "joint"):
+                return host
             return dataclasses.replace(host, **{name: t for (part, name), t in moved.items()
                                                 if part == which})
 
@@ -93,7 +100,7 @@ class SegmentPlan:
             return SegmentPlan(rows("own", self.own), None)
         return SegmentPlan(rows("own", self.own), rows("earlier", self.earlier),
                            moved[("plan", "merge_starts")], moved[("plan", "merge_entries")],
-                           None if self.joint is None else rows("joint", self.joint))
+                           rows("joint", self.joint))
 
 
 def _move_packed(tensors: dict, device: torch.device) -> dict:
