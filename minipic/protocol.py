@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NoReturn, Sequence
 
 # Tokenizers such as Llama-3's ship reserved special tokens that no text ever
 # produces; they make safe markers. We pick the lowest-numbered ones.
@@ -71,21 +71,21 @@ class SpanProtocol:
         return {f: getattr(self, f) for f in self.fields()}
 
     def check_marker_placement(self, token_ids: Sequence[int], block_size: int) -> None:
-        """Raise MisplacedMarkerError if SSep or PDep sits anywhere but at a block start.
+        """Raise MisplacedMarkerError if an SSep, PDep or link marker sits anywhere but at
+        a block start.
 
         The block hasher reads a marker only as a block's first token; one inside a
         block would be hashed as a plain token, and the prompt's spans would silently
         miss (or its task be hashed as part of a span). Checked for every request, so
-        in C: the tokens that start no block, one set lookup each (a 40k-token prompt: one
-        scan, no Python loop over it; counting each marker took three)."""
-        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
-        inside_blocks = tokens.copy()
+        in C, no Python loop over the prompt: the tokens that start no block (a copy less
+        every block_size-th), one set lookup each."""
+        inside_blocks = list(token_ids)
         del inside_blocks[::block_size]
         if not self.markers.isdisjoint(inside_blocks):
-            self._raise_misplaced(tokens, block_size)
-        check_links(tokens[::block_size], self, block_size)
+            self._raise_misplaced(token_ids, block_size)
+        check_links(token_ids[::block_size], self, block_size)
 
-    def _raise_misplaced(self, tokens: list[int], block_size: int) -> None:
+    def _raise_misplaced(self, tokens: Sequence[int], block_size: int) -> NoReturn:
         """The error for the first marker inside a block (a Python loop: errors only)."""
         markers = self.markers
         position = next(i for i, token in enumerate(tokens)

@@ -1,5 +1,7 @@
 """The span protocol: marker ids, and which prompts' markers and links can act."""
 
+import random
+
 import pytest
 
 from minipic.protocol import MisplacedMarkerError, SpanProtocol, SpanProtocolError
@@ -72,20 +74,20 @@ def test_a_second_run_of_links_is_refused():
 
 @pytest.mark.parametrize("seed", range(40))
 def test_a_marker_inside_a_block_is_refused_at_its_first_position(seed):
-    """Against a plain loop over every token: block starts may hold markers (here SSep and
-    PDep, which need no link order), any other position refuses the prompt, the error
-    names the first one; a tuple prompt and a partial last block are checked alike."""
-    import random
-
+    """Against a plain loop over every token: block starts may hold SSep and PDep (which need
+    no link order), any other position of any marker (links too) refuses the prompt, the
+    error names the first one; list and tuple prompts and a partial last block alike."""
     rng = random.Random(seed)
-    protocol, block_size = SpanProtocol(3, 4, 5), rng.choice([2, 4, 16])
-    tokens = [rng.choice([3, 4, 5, 9, 9, 9]) if i % block_size == 0 or rng.random() < 0.01
-              else rng.choice([5, 9, 10]) for i in range(rng.randrange(1, 400))]
-    misplaced = [i for i, t in enumerate(tokens) if i % block_size and t in (3, 4)]
-    if not misplaced:
-        protocol.check_marker_placement(tuple(tokens), block_size)
-        return
-    name = {3: "SSep", 4: "PDep"}[tokens[misplaced[0]]]
-    with pytest.raises(MisplacedMarkerError,
-                       match=f"prompt token {misplaced[0]} is minipic's {name} marker"):
-        protocol.check_marker_placement(tuple(tokens), block_size)
+    protocol, block_size = SpanProtocol(3, 4, 5, link_token_id=6), rng.choice([2, 4, 16])
+    tokens = [rng.choice([3, 4, 5, 9, 9, 9]) if i % block_size == 0
+              else rng.choice([3, 4, 6]) if rng.random() < 0.01 else rng.choice([5, 9, 10])
+              for i in range(rng.randrange(1, 400))]
+    misplaced = [i for i, t in enumerate(tokens) if i % block_size and t in (3, 4, 6)]
+    for prompt in (tokens, tuple(tokens)):
+        if not misplaced:
+            protocol.check_marker_placement(prompt, block_size)
+            continue
+        name = {3: "SSep", 4: "PDep", 6: "link"}[tokens[misplaced[0]]]
+        with pytest.raises(MisplacedMarkerError,
+                           match=f"prompt token {misplaced[0]} is minipic's {name} marker"):
+            protocol.check_marker_placement(prompt, block_size)

@@ -146,8 +146,9 @@ def plan_ms(b: Batch, repeats: int = 20) -> float:
     return (time.perf_counter() - began) / repeats * 1e3
 
 
-def host_profile(fn, repeats: int = 200) -> str:
-    """cProfile's listing of `repeats` calls, by time spent in each function itself."""
+def host_profile(fn, repeats: int = 50) -> str:
+    """cProfile's listing of `repeats` calls, by time spent in each function itself (as
+    host_us: few enough that the launches never wait for the GPU's queue)."""
     fn()
     torch.cuda.synchronize()
     profile = cProfile.Profile()

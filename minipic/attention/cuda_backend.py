@@ -85,8 +85,8 @@ class SpanBatchBuilder:
     """Mixed in before a vLLM metadata builder: its metadata plus, for batches with
     markers, what the span kernel needs (span_layout.py).
 
-    Sets on the metadata: `minipic_rows` (segment_attention.SegmentBatch, on the device)
-    for span batches attended by FlashAttention rows, else None;
+    Sets on the metadata: `minipic_rows` (segment_attention.SegmentBatch, made ready on
+    the device) for span batches attended by FlashAttention rows, else None;
     `minipic_tables` (the per block tables of this batch's SpanLayout, on the device)
     for span batches attended by the kernel, else None;
     `minipic_quiet_bits` (mask_markers: triton_kernel.quiet_words, else None),

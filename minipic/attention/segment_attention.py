@@ -37,7 +37,8 @@ class NewKeys:
 class SegmentBatch:
     """A plan made ready on the device once per batch, for every layer: the rows' physical
     block tables, and one rotation for all turned row queries (the own rows' first when
-    any own turn is not 0 or the plan is joint, then the earlier rows')."""
+    any own turn is not 0 or the plan is joint, then the earlier rows'). Beside a joint
+    call its own and earlier rows stay on the host (SegmentPlan.to)."""
 
     plan: SegmentPlan
     own_table: torch.Tensor | None  # None for a joint plan: its call reads joint_table only
@@ -111,29 +112,25 @@ def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     if plan.earlier is None:  # the own rows are the whole answer
         flash(own_q, key_cache, value_cache, plan.own, batch.own_table, causal=True, out=output)
         return output
+    offset = 0  # where the earlier rows start in earlier_out
     if plan.joint is not None:  # one query per run: both kinds of rows in one call
-        joint_out, joint_lse = flash(turned, key_cache, value_cache, plan.joint,
-                                     batch.joint_table, causal=False)
-        if output.is_cuda:  # its own rows are the first n, its earlier rows follow
-            from minipic.attention.segment_kernels import merge_rows
-
-            return merge_rows(output, joint_out, joint_lse, joint_out, joint_lse,
-                              plan.merge_starts, plan.merge_entries, batch.launches,
-                              earlier_offset=n)
-        own_out, own_lse = joint_out[:n], joint_lse[:, :n]
-        earlier_out, earlier_lse = joint_out[n:], joint_lse[:, n:]
+        own_out, own_lse = flash(turned, key_cache, value_cache, plan.joint, batch.joint_table,
+                                 causal=False)
+        earlier_out, earlier_lse, offset = own_out, own_lse, n  # its own rows are the first n
     else:
         own_out, own_lse = flash(own_q, key_cache, value_cache, plan.own, batch.own_table,
                                  causal=True)
         earlier_q = turned[n:] if batch.own_turned else turned
         earlier_out, earlier_lse = flash(earlier_q, key_cache, value_cache, plan.earlier,
                                          batch.earlier_table, causal=False)
-    if output.is_cuda:
+    if output.is_cuda:  # the kernel reads the earlier rows at the offset: no views to make
         from minipic.attention.segment_kernels import merge_rows
 
         return merge_rows(output, own_out, own_lse, earlier_out, earlier_lse,
-                          plan.merge_starts, plan.merge_entries, batch.launches)
-    return merge(output, own_out, own_lse, earlier_out, earlier_lse, plan.earlier.query_index)
+                          plan.merge_starts, plan.merge_entries, batch.launches,
+                          earlier_offset=offset)
+    return merge(output, own_out[:n], own_lse[:, :n], earlier_out[offset:],
+                 earlier_lse[:, offset:], plan.earlier.query_index)
 
 
 def _turned(query: torch.Tensor, batch: SegmentBatch, new_keys: NewKeys | None

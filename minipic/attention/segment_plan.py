@@ -76,9 +76,9 @@ class SegmentPlan:
     def to(self, device: torch.device | str) -> "SegmentPlan":
         """The plan on `device`, in one copy per dtype (a dozen small copies would each
         wait for the device). Beside a joint call the own and earlier rows stay on the
-        host: the joint call holds them, and the device reads nothing else (CPU tests'
-        torch merge reads earlier.query_index, on the host there)."""
-        joint = self.joint is not None
+        host: the joint call holds them, and on CUDA nothing reads them (the torch merge,
+        which reads earlier.query_index, runs off CUDA only, where host is device)."""
+        joint = self.joint is not None and self.earlier is not None
         parts = {} if joint else {("own", name): t for name, t in self.own.tensors().items()}
         if self.earlier is not None:
             if not joint:

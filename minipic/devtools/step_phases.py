@@ -90,7 +90,9 @@ TIMED = (
     "minipic.attention.cuda_backend:key_turn_backs",
     "vllm.model_executor.layers.attention.attention:Attention.forward",
     "minipic.attention.cuda_backend:SpanBatchImpl.forward",
-    # minipic's rows path a layer: the turn, the FlashAttention calls, the merge
+    # minipic's rows path a layer: the turn, the FlashAttention calls, the merge (the
+    # kernels' wrappers are timed in their module: segment_attention imports them at call
+    # time, and a module-level import there would keep the untimed ones)
     "minipic.attention.segment_kernels:turn_rows_and_keys",
     "minipic.attention.cuda_backend:vllm_flash_rows",
     "minipic.attention.segment_kernels:merge_rows",
@@ -154,7 +156,8 @@ def _wrap(target: str) -> None:
     original = vars(owner).get(method_name)
     if not inspect.isfunction(original):
         return  # inherited only (timed where it is defined), or a static or class method
-    name = attribute
+    # a module's function by where it is defined: "segment_attention.prepare"
+    name = attribute if owner_name else f"{original.__module__.rpartition('.')[2]}.{attribute}"
 
     @functools.wraps(original)
     def timed(*args, **kwargs):

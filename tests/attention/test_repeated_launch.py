@@ -47,8 +47,8 @@ def bind(x, y):
 TABLE = torch.arange(4)
 
 
-def run(launch: RepeatedLaunch, x, y=None, table=TABLE, grid=(4,)):
-    launch(grid, bind, (x, y), (table, 7))
+def run(launch: RepeatedLaunch, x, y=None, table=TABLE, grid=(4,), offset=7):
+    launch(grid, bind, (x, y), (table, offset))
 
 
 def test_same_shaped_tensors_reuse_the_binding_in_every_place_they_stand():
@@ -71,6 +71,9 @@ VARIANTS = {  # name: (the second launch's arguments, whether it binds again)
     "shape": (dict(x=torch.zeros(2, 8)), True),
     "tensor_for_none": (dict(x=torch.zeros(4, 8), y=torch.zeros(4, 8)), True),
     "fixed_tensor": (dict(x=torch.zeros(4, 8), table=torch.arange(4)), True),
+    # a plain value bind reads (the merge's earlier_offset) is compared by value
+    "fixed_int": (dict(x=torch.zeros(4, 8), offset=8), True),
+    "fixed_int_equal": (dict(x=torch.zeros(4, 8), offset=int("7")), False),
     "grid": (dict(x=torch.zeros(4, 8), grid=(5,)), True),
 }
 

@@ -271,6 +271,26 @@ def test_a_short_task_after_cached_spans_is_one_flash_call(budget, calls, monkey
     assert relative_error(out, reference_attention(case)) < 1e-5
 
 
+@pytest.mark.parametrize("budget", [JOINT_OWN_KEYS, 0])
+def test_a_joint_plan_moves_its_call_and_merge_only(budget, monkeypatch):
+    """Beside a joint call only its rows and the merge tables go to the device (the own
+    and earlier rows stay where they were built); a two-call plan moves all of its rows."""
+    monkeypatch.setattr(segment_plan_module, "JOINT_OWN_KEYS", budget)
+    case = make_case([33], [16 * 41], num_q_heads=4, num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, seed=3, markers=["-" + "S---" * 10 + "P--"])
+    plan = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
+    moved = plan.to("meta")
+    on_meta = {name: all(t.is_meta for t in getattr(moved, name).tensors().values())
+               for name in ("own", "earlier")}
+    assert moved.merge_starts.is_meta and moved.merge_entries.is_meta
+    if budget:
+        assert all(t.is_meta for t in moved.joint.tensors().values())
+        assert on_meta == {"own": False, "earlier": False}
+        assert moved.own is plan.own and moved.earlier is plan.earlier
+    else:
+        assert moved.joint is None and on_meta == {"own": True, "earlier": True}
+
+
 def test_new_keys_are_turned_and_written_before_the_rows_read_them():
     """The backend leaves a rows batch's cache write to segment_attention (NewKeys): the
     batch's own keys, as the model made them (at their indices), reach the cache turned
