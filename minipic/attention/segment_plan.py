@@ -78,29 +78,28 @@ class SegmentPlan:
         wait for the device). Beside a joint call the own and earlier rows stay on the
         host: the joint call holds them, and on CUDA nothing reads them (the torch merge,
         which reads earlier.query_index, runs off CUDA only, where host is device)."""
-        joint = self.joint is not None and self.earlier is not None
-        parts = {} if joint else {("own", name): t for name, t in self.own.tensors().items()}
+        if self.earlier is None:  # no joint call without earlier rows
+            moving = ["own"]
+        else:
+            moving = ["joint"] if self.joint is not None else ["own", "earlier"]
+        parts = {(which, name): t for which in moving
+                 for name, t in getattr(self, which).tensors().items()}
         if self.earlier is not None:
-            if not joint:
-                parts.update({("earlier", name): t
-                              for name, t in self.earlier.tensors().items()})
             parts[("plan", "merge_starts")] = self.merge_starts
             parts[("plan", "merge_entries")] = self.merge_entries
-        if joint:
-            parts.update({("joint", name): t for name, t in self.joint.tensors().items()})
         moved = _move_packed(parts, torch.device(device))
 
-        def rows(which: str, host: FlashRows | None) -> FlashRows | None:
-            if host is None or (joint and which != "joint"):
+        def rows(which: str) -> FlashRows | None:
+            host = getattr(self, which)
+            if which not in moving:
                 return host
             return dataclasses.replace(host, **{name: t for (part, name), t in moved.items()
                                                 if part == which})
 
         if self.earlier is None:
-            return SegmentPlan(rows("own", self.own), None)
-        return SegmentPlan(rows("own", self.own), rows("earlier", self.earlier),
-                           moved[("plan", "merge_starts")], moved[("plan", "merge_entries")],
-                           rows("joint", self.joint))
+            return SegmentPlan(rows("own"), None)
+        return SegmentPlan(rows("own"), rows("earlier"), moved[("plan", "merge_starts")],
+                           moved[("plan", "merge_entries")], rows("joint"))
 
 
 def _move_packed(tensors: dict, device: torch.device) -> dict:
