@@ -12,9 +12,10 @@ cache in one of two ways:
     (segment_plan.py, segment_attention.py);
   * minipic's Triton kernel (`triton_kernel.unified_attention_rope`), which turns keys
     forward by their frame offsets per tile and applies the span and EPIC link rules:
-    for batches with mask_markers (it hides single marker and padding keys), for rows
-    that would copy over MAX_EARLIER_ROW_TOKENS queries, on FA2 and for fp32 models, and
-    with the option span_attention="triton".
+    for batches with mask_markers (it hides single marker and padding keys), for a
+    request whose rows alone would copy over MAX_EARLIER_ROW_TOKENS queries (batches of
+    several requests past it go in groups: plan_groups.py), on FA2 and for fp32 models,
+    and with the option span_attention="triton".
 Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
     models: what stock vLLM picks there;
@@ -59,7 +60,9 @@ from minipic.attention.decode_graph import DecodeGraphRows
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.segment_attention import (NewKeys, prepare, segment_attention,
+from minipic.attention.plan_groups import earlier_copies, group_plans, request_groups
+from minipic.attention.segment_attention import (GroupedBatch, NewKeys, grouped_attention,
+                                                 prepare, prepare_groups, segment_attention,
                                                  vllm_flash_rows, with_block_table)
 from minipic.attention.segment_plan import segment_plan
 from minipic.attention.span_layout import current_layout, key_turn_backs, token_shifts
@@ -73,8 +76,10 @@ from minipic.attention.triton_kernel import (
     unified_attention_rope,
 )
 
-# Span batches whose non-causal rows would hold more query copies than this (each row
-# copies its run's queries: a 4k-token task over 40 documents is 160k) take the kernel.
+# Most query copies a span batch's non-causal rows hold at once (each row copies its run's
+# queries, about 16 KiB a copy on Llama-3-8B): past it the batch goes in groups of requests
+# (plan_groups.py), and a request that alone copies more (a 4k-token task chunk over 40
+# documents: 160k) takes the kernel.
 MAX_EARLIER_ROW_TOKENS = 32768
 
 # Quantised caches would need dequantisation before the rotation: not implemented.
@@ -203,16 +208,25 @@ class SpanBatchBuilder:
 
     def _rows(self, layout, query_start_loc: list[int], seq_lens: list[int], m):
         """The batch's FlashAttention rows, planned on the host (one copy of the tables)
-        and made ready on the device for every layer; None when they would copy more
-        queries than MAX_EARLIER_ROW_TOKENS (a long task chunk over many documents: the
-        kernel reads each key once instead)."""
-        plan = segment_plan(layout.to("cpu"), query_start_loc, seq_lens, self.block_size,
+        and made ready on the device for every layer: in groups of requests when they
+        would copy more queries than MAX_EARLIER_ROW_TOKENS (plan_groups.py); None when
+        one request alone would (a long task chunk over many documents: the kernel reads
+        each key once instead)."""
+        host_layout = layout.to("cpu")
+        plan = segment_plan(host_layout, query_start_loc, seq_lens, self.block_size,
                             link_shifts=True)
-        if plan.earlier is not None and plan.earlier.query_index.numel() > MAX_EARLIER_ROW_TOKENS:
-            return None
         rope = current_rope()
-        return prepare(plan, m.block_table_tensor, rope.cos_sin(self.device), rope.rotary_dim,
-                       rope.is_neox_style)
+        cos_sin = rope.cos_sin(self.device)
+        if earlier_copies(plan) <= MAX_EARLIER_ROW_TOKENS:
+            return prepare(plan, m.block_table_tensor, cos_sin, rope.rotary_dim,
+                           rope.is_neox_style)
+        groups = request_groups(plan, query_start_loc, MAX_EARLIER_ROW_TOKENS)
+        if groups is None:
+            return None
+        return prepare_groups(
+            group_plans(host_layout, query_start_loc, seq_lens, self.block_size, groups,
+                        link_shifts=True),
+            m.block_table_tensor, cos_sin, rope.rotary_dim, rope.is_neox_style)
 
     def update_block_table(self, metadata, blk_table: torch.Tensor, slot_mapping: torch.Tensor):
         """vLLM reuses one KV cache group's metadata for another with its own block table:
@@ -277,8 +291,9 @@ class SpanBatchImpl:
         n = md.num_actual_tokens
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         if rows is not None:  # link shifts are in the rows' turns
-            segment_attention(query[:n], key_cache, value_cache, output[:n], rows,
-                              self.run_flash_rows, self._new_keys(layer, key, value, md))
+            attend = grouped_attention if isinstance(rows, GroupedBatch) else segment_attention
+            attend(query[:n], key_cache, value_cache, output[:n], rows, self.run_flash_rows,
+                   self._new_keys(layer, key, value, md))
             return output
         rope = current_rope()
         query = turn_back_tokens(query, md.minipic_token_shift)

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from minipic.attention.plan_groups import PlanGroup
 from minipic.attention.rotation import Rotation
 from minipic.attention.segment_plan import FlashRows, SegmentPlan
 
@@ -77,6 +78,23 @@ def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Te
                         rotary_dim, is_neox_style)
 
 
+@dataclasses.dataclass
+class GroupedBatch:
+    """A span batch as groups of requests (plan_groups.py), attended one after another:
+    group i's SegmentBatch reads its requests' rows of the block table."""
+
+    groups: list[PlanGroup]
+    batches: list[SegmentBatch]
+
+
+def prepare_groups(groups: list[PlanGroup], block_table: torch.Tensor, cos_sin: torch.Tensor,
+                   rotary_dim: int, is_neox_style: bool) -> GroupedBatch:
+    """Each group's plan made ready on the block table's device (`prepare`)."""
+    return GroupedBatch(groups, [
+        prepare(group.plan, block_table[group.first_request: group.end_request], cos_sin,
+                rotary_dim, is_neox_style) for group in groups])
+
+
 def _turned_rows(plan: SegmentPlan, own_turned: bool) -> list[FlashRows]:
     """The rows whose queries are turned, in the turn's order: a joint call's (its rows
     are own's, then earlier's), else own's when they turn, then earlier's."""
@@ -91,9 +109,14 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def with_block_table(batch: SegmentBatch, block_table: torch.Tensor) -> SegmentBatch:
+def with_block_table(batch: SegmentBatch | GroupedBatch, block_table: torch.Tensor
+                     ) -> SegmentBatch | GroupedBatch:
     """The same batch over another KV cache group's block table (vLLM's
     update_block_table reuses one group's metadata for another)."""
+    if isinstance(batch, GroupedBatch):
+        return GroupedBatch(batch.groups, [
+            with_block_table(part, block_table[group.first_request: group.end_request])
+            for group, part in zip(batch.groups, batch.batches)])
     own_table, earlier_table, joint_table = _row_tables(batch.plan, block_table)
     return dataclasses.replace(batch, own_table=own_table, earlier_table=earlier_table,
                                joint_table=joint_table)
@@ -131,6 +154,19 @@ def segment_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                           earlier_offset=offset)
     return merge(output, own_out[:n], own_lse[:, :n], earlier_out[offset:],
                  earlier_lse[:, offset:], plan.earlier.query_index)
+
+
+def grouped_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      output: torch.Tensor, batch: GroupedBatch, flash: Flash,
+                      new_keys: NewKeys | None = None) -> torch.Tensor:
+    """`segment_attention` of each group's query tokens in turn; the first group's call
+    writes every new key of the batch (later groups read them from the cache)."""
+    for group, part in zip(batch.groups, batch.batches):
+        tokens = slice(group.first_token, group.end_token)
+        segment_attention(query[tokens], key_cache, value_cache, output[tokens], part, flash,
+                          new_keys)
+        new_keys = None
+    return output
 
 
 def _turned(query: torch.Tensor, batch: SegmentBatch, new_keys: NewKeys | None

@@ -191,12 +191,34 @@ def test_rows_follow_another_kv_cache_groups_block_table(monkeypatch):
     assert not torch.equal(new.minipic_rows.joint_table, md.minipic_rows.joint_table)
 
 
-def test_long_task_chunks_over_many_spans_take_the_kernel(monkeypatch):
+def test_rows_past_the_copy_limit_go_in_request_groups(monkeypatch):
     """Each non-causal row copies its run's queries: past MAX_EARLIER_ROW_TOKENS copies the
-    batch takes the span kernel, which reads every key once."""
-    monkeypatch.setattr(fb, "MAX_EARLIER_ROW_TOKENS", 10)
-    md = build(new_builder(monkeypatch, "flash"), monkeypatch, ["-S-S-LLP", "-SLP"], [42, 3],
-               [122, 43])
+    batch is planned in groups of requests that stay within it (plan_groups.py), each over
+    its requests' rows of the block table; the kernel only where one request alone is over
+    (a long task chunk over many documents: the kernel reads every key once)."""
+    from minipic.attention.plan_groups import earlier_copies
+    from minipic.attention.segment_attention import GroupedBatch
+    from minipic.attention.segment_plan import segment_plan
+
+    markers, query_lens, seq_lens = ["-S-S-LLP", "-S-P"], [42, 5], [122, 64]
+    plan = segment_plan(marker_layout(markers, MAX_BLOCKS, BLOCK), [0, 42, 47], seq_lens,
+                        BLOCK, link_shifts=True)
+    first = int((plan.earlier.query_index < 42).sum())  # request 0's copies
+    assert 0 < first < earlier_copies(plan)
+    monkeypatch.setattr(fb, "MAX_EARLIER_ROW_TOKENS", first)
+    md = build(new_builder(monkeypatch, "flash"), monkeypatch, markers, query_lens, seq_lens)
+    assert isinstance(md.minipic_rows, GroupedBatch) and md.minipic_tables is None
+    assert [(g.first_request, g.end_request, g.first_token, g.end_token)
+            for g in md.minipic_rows.groups] == [(0, 1, 0, 42), (1, 2, 42, 47)]
+    second = md.minipic_rows.batches[1]
+    joint = second.plan.joint
+    assert torch.equal(second.joint_table,
+                       (MAX_BLOCKS + joint.row_request[:, None] * MAX_BLOCKS
+                        + joint.row_blocks).int())  # request 1's row of the block table
+    assert md.minipic_token_shift is None and md.minipic_key_turn is not None
+
+    monkeypatch.setattr(fb, "MAX_EARLIER_ROW_TOKENS", first - 1)
+    md = build(new_builder(monkeypatch, "flash"), monkeypatch, markers, query_lens, seq_lens)
     assert md.minipic_rows is None and md.minipic_tables is not None
     assert md.minipic_token_shift is not None  # the kernel path turns link queries itself
 

@@ -219,3 +219,28 @@ def test_a_captured_decode_graph_replays_other_batches():
         torch.cuda.synchronize()
         assert relative_error(out[:n], reference_attention(case)) < TOLERANCE[torch.bfloat16], i
         assert not out[n:].any(), i
+
+
+def test_finals_in_request_groups_on_fa3():
+    """Short tasks over cached spans attended in groups of requests (plan_groups.py, what
+    a batch past MAX_EARLIER_ROW_TOKENS takes): the reference's answer, and one plan's."""
+    from minipic.attention.plan_groups import group_plans, request_groups
+    from minipic.attention.segment_attention import grouped_attention, prepare_groups
+
+    # five tasks after ten cached spans each, a decode step over EPIC links, a plain prompt
+    markers = ["-" + "S-----" * 10 + "P--"] * 5 + [epic_markers(3, 6, 2, 5), ""]
+    case = make_case([33] * 5 + [1, 40], [16 + 10 * 96] * 5 + [16 + 288 + 96 + 50, 100],
+                     num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+                     device="cuda", seed=2, markers=markers)
+    qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
+    plan = segment_plan(case.layout.to("cpu"), qsl, seq_lens, case.block_size)
+    groups = request_groups(plan, qsl, 2 * 33 * 10)
+    assert len(groups) == 3
+    batch = prepare_groups(group_plans(case.layout.to("cpu"), qsl, seq_lens, case.block_size,
+                                       groups),
+                           case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    flash = functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3)
+    out = torch.full_like(case.q, float("nan"))
+    grouped_attention(case.q, case.k_cache, case.v_cache, out, batch, flash)
+    assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
+    assert relative_error(out, run_rows(case)) < TOLERANCE[torch.bfloat16] / 10
