@@ -13,8 +13,8 @@ cache in one of two ways:
   * minipic's Triton kernel (`triton_kernel.unified_attention_rope`), which turns keys
     forward by their frame offsets per tile and applies the span and EPIC link rules:
     for batches with mask_markers (it hides single marker and padding keys), for a
-    request whose rows alone would copy over MAX_EARLIER_ROW_TOKENS queries (batches of
-    several requests past it go in groups: plan_groups.py), on FA2 and for fp32 models,
+    request whose rows alone would copy more queries than a batch's rows may hold
+    (batches of several requests past it go in groups: plan_groups.py), on FA2 and for fp32 models,
     and with the option span_attention="triton".
 Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
@@ -60,7 +60,8 @@ from minipic.attention.decode_graph import DecodeGraphRows
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.plan_groups import earlier_copies, group_plans, request_groups
+from minipic.attention.plan_groups import (copy_limit, earlier_copies, group_plans,
+                                          request_groups)
 from minipic.attention.segment_attention import (GroupedBatch, NewKeys, grouped_attention,
                                                  prepare, prepare_groups, segment_attention,
                                                  vllm_flash_rows, with_block_table)
@@ -75,12 +76,6 @@ from minipic.attention.triton_kernel import (
     span_table_args,
     unified_attention_rope,
 )
-
-# Most query copies a span batch's non-causal rows hold at once (each row copies its run's
-# queries, about 16 KiB a copy on Llama-3-8B): past it the batch goes in groups of requests
-# (plan_groups.py), and a request that alone copies more (a 4k-token task chunk over 40
-# documents: 160k) takes the kernel.
-MAX_EARLIER_ROW_TOKENS = 32768
 
 # Quantised caches would need dequantisation before the rotation: not implemented.
 _SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
@@ -127,6 +122,13 @@ class SpanBatchBuilder:
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
         self.full_graphs = (self.use_flash_rows
                             and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
+        # Past this many query copies a span batch goes in groups of requests, and a
+        # request that alone copies more (a 4k-token task chunk over 40 documents: 160k)
+        # takes the kernel (plan_groups.py).
+        self.row_copy_limit = copy_limit(
+            vllm_config.scheduler_config.max_num_batched_tokens,
+            getattr(vllm_config.model_config.hf_text_config, "intermediate_size", None),
+            self.num_heads_q, self.headdim, vllm_config.model_config.dtype.itemsize)
         if self.full_graphs:
             note_block_size(self.block_size)
             self.graph_max_reqs = min(vllm_config.scheduler_config.max_num_seqs,
@@ -209,7 +211,7 @@ class SpanBatchBuilder:
     def _rows(self, layout, query_start_loc: list[int], seq_lens: list[int], m):
         """The batch's FlashAttention rows, planned on the host (one copy of the tables)
         and made ready on the device for every layer: in groups of requests when they
-        would copy more queries than MAX_EARLIER_ROW_TOKENS (plan_groups.py); None when
+        would copy more queries than row_copy_limit (plan_groups.py); None when
         one request alone would (a long task chunk over many documents: the kernel reads
         each key once instead)."""
         host_layout = layout.to("cpu")
@@ -217,10 +219,10 @@ class SpanBatchBuilder:
                             link_shifts=True)
         rope = current_rope()
         cos_sin = rope.cos_sin(self.device)
-        if earlier_copies(plan) <= MAX_EARLIER_ROW_TOKENS:
+        if earlier_copies(plan) <= self.row_copy_limit:
             return prepare(plan, m.block_table_tensor, cos_sin, rope.rotary_dim,
                            rope.is_neox_style)
-        groups = request_groups(plan, query_start_loc, MAX_EARLIER_ROW_TOKENS)
+        groups = request_groups(plan, query_start_loc, self.row_copy_limit)
         if groups is None:
             return None
         return prepare_groups(

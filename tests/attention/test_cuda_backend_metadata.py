@@ -21,6 +21,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilde
 
 from minipic.attention import cuda_backend as fb  # noqa: E402
 from minipic.attention import rope as rope_registry  # noqa: E402
+from minipic.attention.plan_groups import MIN_COPY_LIMIT  # noqa: E402
 from minipic.attention.rotation import Rotation  # noqa: E402
 from minipic.devtools.paged_attention_case import marker_layout, rope_table  # noqa: E402
 
@@ -66,6 +67,7 @@ def new_builder(monkeypatch, kind: str):
     built.block_size, built.device = BLOCK, torch.device("cpu")
     built.split_kv_scratch, built.seq_threshold_3d = ("scratch",), 8
     built.use_flash_rows = kind == "flash"  # __init__ would add: FA3 and the option
+    built.row_copy_limit = MIN_COPY_LIMIT
     return built
 
 
@@ -192,7 +194,7 @@ def test_rows_follow_another_kv_cache_groups_block_table(monkeypatch):
 
 
 def test_rows_past_the_copy_limit_go_in_request_groups(monkeypatch):
-    """Each non-causal row copies its run's queries: past MAX_EARLIER_ROW_TOKENS copies the
+    """Each non-causal row copies its run's queries: past the builder's row_copy_limit the
     batch is planned in groups of requests that stay within it (plan_groups.py), each over
     its requests' rows of the block table; the kernel only where one request alone is over
     (a long task chunk over many documents: the kernel reads every key once)."""
@@ -205,8 +207,9 @@ def test_rows_past_the_copy_limit_go_in_request_groups(monkeypatch):
                         BLOCK, link_shifts=True)
     first = int((plan.earlier.query_index < 42).sum())  # request 0's copies
     assert 0 < first < earlier_copies(plan)
-    monkeypatch.setattr(fb, "MAX_EARLIER_ROW_TOKENS", first)
-    md = build(new_builder(monkeypatch, "flash"), monkeypatch, markers, query_lens, seq_lens)
+    builder = new_builder(monkeypatch, "flash")
+    builder.row_copy_limit = first
+    md = build(builder, monkeypatch, markers, query_lens, seq_lens)
     assert isinstance(md.minipic_rows, GroupedBatch) and md.minipic_tables is None
     assert [(g.first_request, g.end_request, g.first_token, g.end_token)
             for g in md.minipic_rows.groups] == [(0, 1, 0, 42), (1, 2, 42, 47)]
@@ -217,8 +220,8 @@ def test_rows_past_the_copy_limit_go_in_request_groups(monkeypatch):
                         + joint.row_blocks).int())  # request 1's row of the block table
     assert md.minipic_token_shift is None and md.minipic_key_turn is not None
 
-    monkeypatch.setattr(fb, "MAX_EARLIER_ROW_TOKENS", first - 1)
-    md = build(new_builder(monkeypatch, "flash"), monkeypatch, markers, query_lens, seq_lens)
+    builder.row_copy_limit = first - 1
+    md = build(builder, monkeypatch, markers, query_lens, seq_lens)
     assert md.minipic_rows is None and md.minipic_tables is not None
     assert md.minipic_token_shift is not None  # the kernel path turns link queries itself
 

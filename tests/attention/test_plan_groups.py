@@ -9,7 +9,8 @@ import functools
 import pytest
 import torch
 
-from minipic.attention.plan_groups import (earlier_copies, group_plans, request_groups)
+from minipic.attention.plan_groups import (MIN_COPY_LIMIT, copy_limit, earlier_copies,
+                                           group_plans, request_groups)
 from minipic.attention.rotation import Rotation
 from minipic.attention.segment_attention import (NewKeys, grouped_attention,
                                                  paged_flash_reference, prepare_groups,
@@ -121,3 +122,14 @@ def test_another_block_table_moves_each_groups_rows():
         expected = other[group.first_request: group.end_request][
             rows.row_request[:, None], rows.row_blocks]
         assert torch.equal(table, expected)
+
+
+def test_copies_may_take_the_memory_of_a_batchs_mlp_activations():
+    """Llama-3-8B (32 heads of 128, MLP 14336, bf16) at 16384 batched tokens: the copies
+    (16.1 KiB each) may take what the batch's MLP activations took in vLLM's profile run
+    (84 KiB a token); never fewer than MIN_COPY_LIMIT, also without an MLP size."""
+    limit = copy_limit(16384, 14336, 32, 128, 2)
+    assert limit == 16384 * 3 * 14336 * 2 // (32 * (2 * 128 * 2 + 4)) == 85349
+    assert limit * 32 * (2 * 128 * 2 + 4) <= 16384 * 3 * 14336 * 2
+    assert copy_limit(256, 14336, 32, 128, 2) == MIN_COPY_LIMIT
+    assert copy_limit(16384, None, 32, 128, 2) == MIN_COPY_LIMIT

@@ -223,7 +223,7 @@ def test_a_captured_decode_graph_replays_other_batches():
 
 def test_finals_in_request_groups_on_fa3():
     """Short tasks over cached spans attended in groups of requests (plan_groups.py, what
-    a batch past MAX_EARLIER_ROW_TOKENS takes): the reference's answer, and one plan's."""
+    a batch past its row copy limit takes): the reference's answer, and one plan's."""
     from minipic.attention.plan_groups import group_plans, request_groups
     from minipic.attention.segment_attention import grouped_attention, prepare_groups
 
