@@ -12,10 +12,8 @@ cache in one of two ways:
     (segment_plan.py, segment_attention.py);
   * minipic's Triton kernel (`triton_kernel.unified_attention_rope`), which turns keys
     forward by their frame offsets per tile and applies the span and EPIC link rules:
-    for batches with mask_markers (it hides single marker and padding keys), for a
-    request whose rows alone would copy more queries than a batch's rows may hold
-    (batches of several requests past it go in groups: plan_groups.py), on FA2 and for fp32 models,
-    and with the option span_attention="triton".
+    for batches with mask_markers (it hides single marker and padding keys), on FA2 and
+    for fp32 models, and with the option span_attention="triton".
 Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
     models: what stock vLLM picks there;
@@ -60,8 +58,7 @@ from minipic.attention.decode_graph import DecodeGraphRows
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
-from minipic.attention.plan_groups import (copy_limit, earlier_copies, group_plans,
-                                          request_groups)
+from minipic.attention.plan_groups import copy_limit, earlier_copies, group_plans, token_groups
 from minipic.attention.segment_attention import (GroupedBatch, NewKeys, grouped_attention,
                                                  prepare, prepare_groups, segment_attention,
                                                  vllm_flash_rows, with_block_table)
@@ -122,9 +119,9 @@ class SpanBatchBuilder:
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
         self.full_graphs = (self.use_flash_rows
                             and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
-        # Past this many query copies a span batch goes in groups of requests, and a
-        # request that alone copies more (a 4k-token task chunk over 40 documents: 160k)
-        # takes the kernel (plan_groups.py).
+        # Past this many query copies a span batch goes in groups of query tokens
+        # (plan_groups.py): 500 short tasks over ten documents each, or one 4k-token task
+        # chunk over 40 documents, copy 160k.
         self.row_copy_limit = copy_limit(
             vllm_config.scheduler_config.max_num_batched_tokens,
             getattr(vllm_config.model_config.hf_text_config, "intermediate_size", None),
@@ -210,10 +207,8 @@ class SpanBatchBuilder:
 
     def _rows(self, layout, query_start_loc: list[int], seq_lens: list[int], m):
         """The batch's FlashAttention rows, planned on the host (one copy of the tables)
-        and made ready on the device for every layer: in groups of requests when they
-        would copy more queries than row_copy_limit (plan_groups.py); None when
-        one request alone would (a long task chunk over many documents: the kernel reads
-        each key once instead)."""
+        and made ready on the device for every layer: in groups of query tokens when they
+        would copy more queries than row_copy_limit (plan_groups.py)."""
         host_layout = layout.to("cpu")
         plan = segment_plan(host_layout, query_start_loc, seq_lens, self.block_size,
                             link_shifts=True)
@@ -222,9 +217,7 @@ class SpanBatchBuilder:
         if earlier_copies(plan) <= self.row_copy_limit:
             return prepare(plan, m.block_table_tensor, cos_sin, rope.rotary_dim,
                            rope.is_neox_style)
-        groups = request_groups(plan, query_start_loc, self.row_copy_limit)
-        if groups is None:
-            return None
+        groups = token_groups(plan, query_start_loc, self.row_copy_limit)
         return prepare_groups(
             group_plans(host_layout, query_start_loc, seq_lens, self.block_size, groups,
                         link_shifts=True),

@@ -1,14 +1,18 @@
 """Worker side: a span batch whose earlier rows would copy too many queries, planned as
-groups of requests attended one after another.
+groups of query tokens attended one after another.
 
 Each earlier row copies its run's queries (turned into the row's frame), and the copies,
 their outputs and log-sum-exps live through a layer's attention: about 16 KiB a copy on
 Llama-3-8B. A step of 500 short final prompts over ten cached documents each copies 165k
-queries (2.7 GB). No request reads another's queries, so the batch splits exactly at
-request boundaries: each group's plan copies at most `limit` queries, and the groups'
-calls reuse the same memory one after another. One plan is faster where memory allows
-(fewer launches and host plans; shared documents read once): `copy_limit` lets the copies
-take what vLLM's memory profile already set aside for a batch's MLP activations.
+queries (2.7 GB); so does one 4k-token task chunk over 40 documents. No query reads
+another's, so the batch splits exactly between any two query tokens: each group's plan
+copies at most `limit` queries, and the groups' calls reuse the same memory one after
+another. A group holds whole requests where it can; a request cut between groups leaves
+each group a piece of its queries, planned as a request whose sequence ends at the
+piece's last query (causal attention never reads past it). One plan is faster where
+memory allows (fewer launches and host plans; shared documents read once): `copy_limit`
+lets the copies take what vLLM's memory profile already set aside for a batch's MLP
+activations.
 """
 
 from __future__ import annotations
@@ -20,21 +24,21 @@ import numpy as np
 from minipic.attention.segment_plan import SegmentPlan, segment_plan
 from minipic.attention.span_layout import SpanLayout
 
+# The limit whatever the model: 32768 copies are about 0.5 GB on Llama-3-8B.
+MIN_COPY_LIMIT = 32768
+
 
 @dataclasses.dataclass
 class PlanGroup:
-    """Requests [first_request, end_request) of a batch, its query tokens
-    [first_token, end_token), and their own plan (token and request indices from 0)."""
+    """The batch's query tokens [first_token, end_token): pieces of its requests
+    [first_request, end_request) (the first and last may be cut), and their own plan,
+    whose request and token indices start at 0."""
 
-    first_request: int
-    end_request: int
     first_token: int
     end_token: int
+    first_request: int
+    end_request: int
     plan: SegmentPlan
-
-
-# The limit whatever the model: 32768 copies are about 0.5 GB on Llama-3-8B.
-MIN_COPY_LIMIT = 32768
 
 
 def copy_limit(max_batched_tokens: int, intermediate_size: int | None, heads: int,
@@ -54,19 +58,25 @@ def earlier_copies(plan: SegmentPlan) -> int:
     return 0 if plan.earlier is None else plan.earlier.query_index.numel()
 
 
-def request_groups(plan: SegmentPlan, query_start_loc: list[int], limit: int
-                   ) -> list[tuple[int, int]] | None:
-    """Consecutive request ranges [first, end) whose earlier rows copy at most `limit`
-    queries each, as few as a greedy cut gives; None when one request alone copies more."""
+def token_groups(plan: SegmentPlan, query_start_loc: list[int], limit: int
+                 ) -> list[tuple[int, int]]:
+    """Consecutive query token ranges [first, end) of the batch whose earlier rows copy at
+    most `limit` queries each, as few as a greedy cut gives: each group ends at the last
+    request end within its reach, or inside a request that alone reaches past it. (A
+    single token copies once per document it reads: more than `limit` only if it reads
+    that many; such a token forms a group of its own.)"""
     starts = np.asarray(query_start_loc, dtype=np.int64)
-    copies_by_token = np.bincount(plan.earlier.query_index.numpy(), minlength=int(starts[-1]))
-    copies_before = np.concatenate([[0], np.cumsum(copies_by_token)])[starts]
-    if np.diff(copies_before).max(initial=0) > limit:
-        return None
+    tokens = int(starts[-1])
+    copies_before = np.concatenate(
+        [[0], np.cumsum(np.bincount(plan.earlier.query_index.numpy(), minlength=tokens))])
     groups, first = [], 0
-    while first < starts.size - 1:
-        # the furthest request end whose copies since `first` stay within the limit
-        end = int(np.searchsorted(copies_before, copies_before[first] + limit, side="right")) - 1
+    while first < tokens:
+        # the furthest token end whose copies since `first` stay within the limit
+        reach = int(np.searchsorted(copies_before, copies_before[first] + limit,
+                                    side="right")) - 1
+        reach = max(reach, first + 1)
+        request_end = int(starts[np.searchsorted(starts, reach, side="right") - 1])
+        end = request_end if request_end > first else reach
         groups.append((first, end))
         first = end
     return groups
@@ -75,14 +85,23 @@ def request_groups(plan: SegmentPlan, query_start_loc: list[int], limit: int
 def group_plans(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],
                 block_size: int, groups: list[tuple[int, int]], link_shifts: bool = False
                 ) -> list[PlanGroup]:
-    """Each group's plan, over its requests' rows of `layout` (on the host; `link_shifts`
-    as segment_plan takes it)."""
+    """Each token group's plan, over its requests' rows of `layout` (on the host;
+    `link_shifts` as segment_plan takes it)."""
+    starts = np.asarray(query_start_loc, dtype=np.int64)
+    seq = np.asarray(seq_lens, dtype=np.int64)
     planned = []
     for first, end in groups:
-        tokens = [start - query_start_loc[first] for start in query_start_loc[first: end + 1]]
-        plan = segment_plan(_requests(layout, first, end), tokens, seq_lens[first:end],
-                            block_size, link_shifts)
-        planned.append(PlanGroup(first, end, query_start_loc[first], query_start_loc[end], plan))
+        first_request = int(np.searchsorted(starts, first, side="right")) - 1
+        end_request = int(np.searchsorted(starts, end, side="left"))
+        requests = np.arange(first_request, end_request)
+        piece_starts = np.clip(starts[requests], first, None) - first
+        piece_ends = np.clip(starts[requests + 1], None, end)
+        # a piece's sequence ends at its last query: the request's end, less what was cut
+        piece_seq = seq[requests] - (starts[requests + 1] - piece_ends)
+        tokens = [*piece_starts.tolist(), end - first]
+        plan = segment_plan(_requests(layout, first_request, end_request), tokens,
+                            piece_seq.tolist(), block_size, link_shifts)
+        planned.append(PlanGroup(first, end, first_request, end_request, plan))
     return planned
 
 

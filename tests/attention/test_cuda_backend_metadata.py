@@ -193,11 +193,11 @@ def test_rows_follow_another_kv_cache_groups_block_table(monkeypatch):
     assert not torch.equal(new.minipic_rows.joint_table, md.minipic_rows.joint_table)
 
 
-def test_rows_past_the_copy_limit_go_in_request_groups(monkeypatch):
+def test_rows_past_the_copy_limit_go_in_groups_of_query_tokens(monkeypatch):
     """Each non-causal row copies its run's queries: past the builder's row_copy_limit the
-    batch is planned in groups of requests that stay within it (plan_groups.py), each over
-    its requests' rows of the block table; the kernel only where one request alone is over
-    (a long task chunk over many documents: the kernel reads every key once)."""
+    batch is planned in groups of query tokens that stay within it (plan_groups.py), each
+    over its requests' rows of the block table; a request that alone copies more is cut.
+    None takes the kernel."""
     from minipic.attention.plan_groups import earlier_copies
     from minipic.attention.segment_attention import GroupedBatch
     from minipic.attention.segment_plan import segment_plan
@@ -208,22 +208,19 @@ def test_rows_past_the_copy_limit_go_in_request_groups(monkeypatch):
     first = int((plan.earlier.query_index < 42).sum())  # request 0's copies
     assert 0 < first < earlier_copies(plan)
     builder = new_builder(monkeypatch, "flash")
-    builder.row_copy_limit = first
-    md = build(builder, monkeypatch, markers, query_lens, seq_lens)
-    assert isinstance(md.minipic_rows, GroupedBatch) and md.minipic_tables is None
-    assert [(g.first_request, g.end_request, g.first_token, g.end_token)
-            for g in md.minipic_rows.groups] == [(0, 1, 0, 42), (1, 2, 42, 47)]
-    second = md.minipic_rows.batches[1]
-    joint = second.plan.joint
-    assert torch.equal(second.joint_table,
-                       (MAX_BLOCKS + joint.row_request[:, None] * MAX_BLOCKS
-                        + joint.row_blocks).int())  # request 1's row of the block table
-    assert md.minipic_token_shift is None and md.minipic_key_turn is not None
-
-    builder.row_copy_limit = first - 1
-    md = build(builder, monkeypatch, markers, query_lens, seq_lens)
-    assert md.minipic_rows is None and md.minipic_tables is not None
-    assert md.minipic_token_shift is not None  # the kernel path turns link queries itself
+    for limit, extents in ((first, [(0, 1, 0, 42), (1, 2, 42, 47)]),
+                           (first - 1, [(0, 1, 0, 41), (0, 2, 41, 47)])):
+        builder.row_copy_limit = limit
+        md = build(builder, monkeypatch, markers, query_lens, seq_lens)
+        assert isinstance(md.minipic_rows, GroupedBatch) and md.minipic_tables is None
+        assert [(g.first_request, g.end_request, g.first_token, g.end_token)
+                for g in md.minipic_rows.groups] == extents
+        last = md.minipic_rows.batches[-1]
+        rows = last.plan.joint
+        assert torch.equal(last.joint_table,  # the block table's rows of its requests
+                           ((extents[-1][0] + rows.row_request[:, None]) * MAX_BLOCKS
+                            + rows.row_blocks).int())
+        assert md.minipic_token_shift is None and md.minipic_key_turn is not None
 
 
 def test_mask_markers_batches_take_the_kernel_on_flash_attention(monkeypatch):

@@ -1,4 +1,4 @@
-"""A span batch planned as groups of requests (plan_groups.py) against the independent
+"""A span batch planned as groups of query tokens (plan_groups.py) against the independent
 reference, on CPU: the rows run through `paged_flash_reference`, as in
 test_segment_plan.py. The GPU tests run grouped batches on FA3."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minipic.attention.plan_groups import (MIN_COPY_LIMIT, copy_limit, earlier_copies,
-                                           group_plans, request_groups)
+                                           group_plans, token_groups)
 from minipic.attention.rotation import Rotation
 from minipic.attention.segment_attention import (NewKeys, grouped_attention,
                                                  paged_flash_reference, prepare_groups,
@@ -30,41 +30,76 @@ def tasks_over_spans_case(seed: int = 0):
                               epic_markers(3, 3, 1, 2) + "-", ""])
 
 
-def copies_by_request(plan, query_start_loc: list[int]) -> list[int]:
-    token = plan.earlier.query_index
-    return [int(((token >= a) & (token < b)).sum())
-            for a, b in zip(query_start_loc, query_start_loc[1:])]
+def copies_by_token(plan, tokens: int) -> list[int]:
+    return torch.bincount(plan.earlier.query_index, minlength=tokens).tolist()
 
 
-def test_groups_cut_at_requests_within_the_limit():
+def test_groups_end_at_requests_within_the_limit():
+    """Every limit from the largest request's copies up: groups of whole requests, each
+    within the limit, none of which could also take the next request."""
     case = tasks_over_spans_case()
     qsl = case.cu_seqlens_q.tolist()
     plan = segment_plan(case.layout, qsl, case.seq_lens.tolist(), 16)
-    copies = copies_by_request(plan, qsl)
+    per_token = copies_by_token(plan, qsl[-1])
+    copies = [sum(per_token[a:b]) for a, b in zip(qsl, qsl[1:])]
     assert sum(copies) == earlier_copies(plan) and min(copies[:3]) > 0 and copies[3] == 0
     for limit in range(max(copies), sum(copies) + 1):
-        groups = request_groups(plan, qsl, limit)
-        assert groups[0][0] == 0 and groups[-1][1] == len(copies)
+        groups = token_groups(plan, qsl, limit)
+        assert groups[0][0] == 0 and groups[-1][1] == qsl[-1]
         assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))  # consecutive
-        assert all(sum(copies[first:end]) <= limit for first, end in groups)
-        # greedy: no group could take its next request too
-        assert all(sum(copies[first:end + 1]) > limit for first, end in groups[:-1])
-    assert len(request_groups(plan, qsl, sum(copies))) == 1
-    assert request_groups(plan, qsl, max(copies) - 1) is None  # one request alone is over
+        assert all(end in qsl for _, end in groups)  # whole requests
+        assert all(sum(per_token[first:end]) <= limit for first, end in groups)
+        following = [qsl[qsl.index(end) + 1] for _, end in groups[:-1]]
+        assert all(sum(per_token[first:after]) > limit
+                   for (first, _), after in zip(groups, following))
+    assert token_groups(plan, qsl, sum(copies)) == [(0, qsl[-1])]
+
+
+def test_a_request_past_the_limit_is_cut_between_its_tokens():
+    """A request that alone copies more than the limit (a long task over many documents)
+    is cut inside, each piece within the limit; the requests after it start a group of
+    their own."""
+    case = tasks_over_spans_case()
+    qsl = case.cu_seqlens_q.tolist()
+    plan = segment_plan(case.layout, qsl, case.seq_lens.tolist(), 16)
+    per_token = copies_by_token(plan, qsl[-1])
+    limit = sum(per_token[:33]) // 3  # request 0: 33 tokens over five spans, 165 copies
+    groups = token_groups(plan, qsl, limit)
+    cuts = [end for _, end in groups]
+    assert cuts[:3] == [11, 22, 33]  # each token copies once per span: 5 x 11 = 55
+    assert all(sum(per_token[first:end]) <= limit for first, end in groups)
+    assert token_groups(plan, qsl, 1)[0] == (0, 1)  # a token over the limit: a group alone
+
+
+def grouped_answer(case, limit: int, write=None, model_k=None):
+    """The batch's attention planned in token groups of at most `limit` copies; with
+    `write`, its new keys (`model_k`, as the model made them) are turned and written."""
+    qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
+    plan = segment_plan(case.layout, qsl, seq_lens, 16)
+    groups = token_groups(plan, qsl, limit)
+    batch = prepare_groups(group_plans(case.layout, qsl, seq_lens, 16, groups),
+                           case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    new_keys = None
+    if write is not None:
+        turn = key_turn_backs(case.layout, qsl, seq_lens, 16)
+        new_keys = NewKeys(model_k, Rotation.back(turn, case.cos_sin, case.rotary_dim,
+                                                  case.is_neox), write)
+    out = torch.full_like(case.q, float("nan"))
+    grouped_attention(case.q, case.k_cache, case.v_cache, out, batch,
+                      functools.partial(paged_flash_reference, scale=case.scale), new_keys)
+    return groups, out
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_grouped_batch_matches_the_reference(seed):
-    """Groups of one and three requests give the reference's answer; the first group's call
-    writes every new key of the batch (turned into its frame), before any group reads."""
+@pytest.mark.parametrize("share", [1, 3], ids=["whole_requests", "cut_requests"])
+def test_grouped_batch_matches_the_reference(seed, share):
+    """Groups of whole requests, and groups that cut requests (the first in three), give the
+    reference's answer; the first group's call writes every new key of the batch (turned
+    into its frame) before any group reads the cache."""
     case = tasks_over_spans_case(seed)
     qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
     plan = segment_plan(case.layout, qsl, seq_lens, 16)
-    groups = request_groups(plan, qsl, max(copies_by_request(plan, qsl)))
-    assert len(groups) == 2 and groups[1][1] - groups[1][0] == 3
-    planned = group_plans(case.layout, qsl, seq_lens, 16, groups)
-    assert [g.first_token for g in planned] == [qsl[first] for first, _ in groups]
-
+    limit = sum(copies_by_token(plan, qsl[-1])[:33]) // share
     turn = key_turn_backs(case.layout, qsl, seq_lens, 16)
     slots = case.query_slots()
     stored = case.k_cache[slots]
@@ -77,13 +112,8 @@ def test_grouped_batch_matches_the_reference(seed):
         written.append(turned.shape[0])
         case.k_cache[slots] = turned
 
-    batch = prepare_groups(planned, case.block_table, case.cos_sin, case.rotary_dim,
-                           case.is_neox)
-    out = torch.full_like(case.q, float("nan"))
-    grouped_attention(case.q, case.k_cache, case.v_cache, out, batch,
-                      functools.partial(paged_flash_reference, scale=case.scale),
-                      NewKeys(model_k, Rotation.back(turn, case.cos_sin, case.rotary_dim,
-                                                     case.is_neox), write))
+    groups, out = grouped_answer(case, limit, write, model_k)
+    assert len(groups) == (2 if share == 1 else 6)  # cut: requests 0 and 2
     assert written == [case.q.shape[0]]
     assert relative_error(out, reference_attention(case)) < 1e-5
 
@@ -92,28 +122,24 @@ def test_shared_documents_in_groups_match_the_reference():
     """Requests sharing documents read them in one row inside a group; across groups each
     group reads them itself. Either way, the reference's answer."""
     case = shared_documents_case(dtype=torch.float32, query_lens=(20, 1, 20))
-    qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
-    plan = segment_plan(case.layout, qsl, seq_lens, 16)
-    for limit in (max(copies_by_request(plan, qsl)), earlier_copies(plan) - 1):
-        groups = request_groups(plan, qsl, limit)
+    qsl = case.cu_seqlens_q.tolist()
+    plan = segment_plan(case.layout, qsl, case.seq_lens.tolist(), 16)
+    for limit in (earlier_copies(plan) // 4, earlier_copies(plan) - 1):
+        groups, out = grouped_answer(case, limit)
         assert len(groups) > 1
-        batch = prepare_groups(group_plans(case.layout, qsl, seq_lens, 16, groups),
-                               case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
-        out = torch.full_like(case.q, float("nan"))
-        grouped_attention(case.q, case.k_cache, case.v_cache, out, batch,
-                          functools.partial(paged_flash_reference, scale=case.scale))
         assert relative_error(out, reference_attention(case)) < 1e-5
 
 
 def test_another_block_table_moves_each_groups_rows():
     """vLLM's update_block_table: each group's row tables follow the new table's rows of
-    its own requests."""
+    its own requests (a request cut between groups in both)."""
     case = tasks_over_spans_case()
     qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
     plan = segment_plan(case.layout, qsl, seq_lens, 16)
-    groups = request_groups(plan, qsl, max(copies_by_request(plan, qsl)))
+    groups = token_groups(plan, qsl, sum(copies_by_token(plan, qsl[-1])[:33]) // 2)
     batch = prepare_groups(group_plans(case.layout, qsl, seq_lens, 16, groups),
                            case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    assert [g.first_request for g in batch.groups][:2] == [0, 0]
     other = case.block_table + 1000
     moved = with_block_table(batch, other)
     for group, part in zip(moved.groups, moved.batches):

@@ -221,10 +221,13 @@ def test_a_captured_decode_graph_replays_other_batches():
         assert not out[n:].any(), i
 
 
-def test_finals_in_request_groups_on_fa3():
-    """Short tasks over cached spans attended in groups of requests (plan_groups.py, what
-    a batch past its row copy limit takes): the reference's answer, and one plan's."""
-    from minipic.attention.plan_groups import group_plans, request_groups
+@pytest.mark.parametrize("limit, count", [(2 * 33 * 10, 3), (100, 20)],
+                         ids=["whole_requests", "cut_requests"])
+def test_finals_in_token_groups_on_fa3(limit, count):
+    """Short tasks over cached spans attended in groups of query tokens (plan_groups.py,
+    what a batch past its row copy limit takes), of whole requests and of requests cut
+    between their tokens: the reference's answer, and one plan's."""
+    from minipic.attention.plan_groups import group_plans, token_groups
     from minipic.attention.segment_attention import grouped_attention, prepare_groups
 
     # five tasks after ten cached spans each, a decode step over EPIC links, a plain prompt
@@ -234,8 +237,8 @@ def test_finals_in_request_groups_on_fa3():
                      device="cuda", seed=2, markers=markers)
     qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
     plan = segment_plan(case.layout.to("cpu"), qsl, seq_lens, case.block_size)
-    groups = request_groups(plan, qsl, 2 * 33 * 10)
-    assert len(groups) == 3
+    groups = token_groups(plan, qsl, limit)
+    assert len(groups) == count
     batch = prepare_groups(group_plans(case.layout.to("cpu"), qsl, seq_lens, case.block_size,
                                        groups),
                            case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
