@@ -55,6 +55,28 @@ class PagedCase:
     def block_size(self) -> int:
         return self.k_cache.shape[1]
 
+    def pending_new_keys(self, turn: torch.Tensor) -> tuple["NewKeys", list[int]]:
+        """The batch's new keys as the model hands them (at their indices; `turn` [tokens]
+        turns each back into its frame), as segment_attention takes them for the cache
+        write it does first. Their cache slots hold NaN until the write stores them, so a
+        read before it shows; the list records each write's token count."""
+        from minipic.attention.rotation import Rotation
+        from minipic.attention.segment_attention import NewKeys
+
+        slots = self.query_slots()
+        stored = self.k_cache[slots]  # in their frames
+        model_k = Rotation.at(turn, self.cos_sin, self.rotary_dim, self.is_neox,
+                              pure=True).apply(stored).to(stored.dtype)
+        self.k_cache[slots] = float("nan")
+        written: list[int] = []
+
+        def write(turned: torch.Tensor) -> None:
+            written.append(turned.shape[0])
+            self.k_cache[slots] = turned
+
+        back = Rotation.back(turn, self.cos_sin, self.rotary_dim, self.is_neox)
+        return NewKeys(model_k, back, write), written
+
     def query_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) in the cache of each query token, in batch order: where the
         batch's new keys are written."""

@@ -11,8 +11,7 @@ import torch
 
 from minipic.attention.plan_groups import (MIN_COPY_LIMIT, copy_limit, earlier_copies,
                                            group_plans, token_groups)
-from minipic.attention.rotation import Rotation
-from minipic.attention.segment_attention import (NewKeys, grouped_attention,
+from minipic.attention.segment_attention import (grouped_attention,
                                                  paged_flash_reference, prepare_groups,
                                                  with_block_table)
 from minipic.attention.segment_plan import segment_plan
@@ -71,19 +70,14 @@ def test_a_request_past_the_limit_is_cut_between_its_tokens():
     assert token_groups(plan, qsl, 1)[0] == (0, 1)  # a token over the limit: a group alone
 
 
-def grouped_answer(case, limit: int, write=None, model_k=None):
-    """The batch's attention planned in token groups of at most `limit` copies; with
-    `write`, its new keys (`model_k`, as the model made them) are turned and written."""
+def grouped_answer(case, limit: int, new_keys=None):
+    """The batch's attention planned in token groups of at most `limit` copies (with
+    `new_keys`, written first)."""
     qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
     plan = segment_plan(case.layout, qsl, seq_lens, 16)
     groups = token_groups(plan, qsl, limit)
     batch = prepare_groups(group_plans(case.layout, qsl, seq_lens, 16, groups),
                            case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
-    new_keys = None
-    if write is not None:
-        turn = key_turn_backs(case.layout, qsl, seq_lens, 16)
-        new_keys = NewKeys(model_k, Rotation.back(turn, case.cos_sin, case.rotary_dim,
-                                                  case.is_neox), write)
     out = torch.full_like(case.q, float("nan"))
     grouped_attention(case.q, case.k_cache, case.v_cache, out, batch,
                       functools.partial(paged_flash_reference, scale=case.scale), new_keys)
@@ -100,19 +94,8 @@ def test_grouped_batch_matches_the_reference(seed, share):
     qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
     plan = segment_plan(case.layout, qsl, seq_lens, 16)
     limit = sum(copies_by_token(plan, qsl[-1])[:33]) // share
-    turn = key_turn_backs(case.layout, qsl, seq_lens, 16)
-    slots = case.query_slots()
-    stored = case.k_cache[slots]
-    model_k = Rotation.at(turn, case.cos_sin, case.rotary_dim, case.is_neox,
-                          pure=True).apply(stored).to(stored.dtype)
-    case.k_cache[slots] = float("nan")  # read before the write: NaN out
-    written = []
-
-    def write(turned):
-        written.append(turned.shape[0])
-        case.k_cache[slots] = turned
-
-    groups, out = grouped_answer(case, limit, write, model_k)
+    new_keys, written = case.pending_new_keys(key_turn_backs(case.layout, qsl, seq_lens, 16))
+    groups, out = grouped_answer(case, limit, new_keys)
     assert len(groups) == (2 if share == 1 else 6)  # cut: requests 0 and 2
     assert written == [case.q.shape[0]]
     assert relative_error(out, reference_attention(case)) < 1e-5

@@ -295,31 +295,17 @@ def test_new_keys_are_turned_and_written_before_the_rows_read_them():
     """The backend leaves a rows batch's cache write to segment_attention (NewKeys): the
     batch's own keys, as the model made them (at their indices), reach the cache turned
     into their frames before any row reads them."""
-    from minipic.attention.rotation import Rotation
-    from minipic.attention.segment_attention import NewKeys
     from minipic.attention.span_layout import key_turn_backs
 
     case = build("epic_hit_and_decode")
     qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
     turn = key_turn_backs(case.layout, qsl, seq_lens, 16)
     assert turn is not None and turn.any()
-    slots = case.query_slots()
-    stored = case.k_cache[slots]  # in their frames
-    model_k = Rotation.at(turn, case.cos_sin, case.rotary_dim, case.is_neox,
-                          pure=True).apply(stored).to(stored.dtype)
-    case.k_cache[slots] = float("nan")  # read before the write: NaN out
-    written = []
-
-    def write(turned):
-        written.append(turned.shape[0])
-        case.k_cache[slots] = turned
-
+    new_keys, written = case.pending_new_keys(turn)
     plan = segment_plan(case.layout, qsl, seq_lens, 16)
     out = torch.empty_like(case.q)
-    back = Rotation.back(turn, case.cos_sin, case.rotary_dim, case.is_neox)
     segment_attention(case.q, case.k_cache, case.v_cache, out, ready(case, plan),
-                      functools.partial(paged_flash_reference, scale=case.scale),
-                      NewKeys(model_k, back, write))
+                      functools.partial(paged_flash_reference, scale=case.scale), new_keys)
     assert written == [case.q.shape[0]]
     assert relative_error(out, reference_attention(case)) < 1e-5
 
