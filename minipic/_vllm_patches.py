@@ -89,6 +89,10 @@ versions, worker process unless said otherwise):
 |   .use_v2_model_runner, compilation_config        |                       |                          |
 |   .max_cudagraph_capture_size; BatchExecution-    | _vllm_patches.py      |                          |
 |   Descriptor .cg_mode, .num_reqs                  |                       |                          |
+| vllm_config .scheduler_config                     | attention/            | how many query copies a  |
+|   .max_num_batched_tokens, .model_config          |   cuda_backend.py     | batch's rows may hold    |
+|   .hf_text_config.intermediate_size, .dtype,      |                       | (plan_groups.py)         |
+|   .parallel_config.tensor_parallel_size           |                       |                          |
 """
 
 from __future__ import annotations

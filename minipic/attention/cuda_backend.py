@@ -125,7 +125,8 @@ class SpanBatchBuilder:
         self.row_copy_limit = copy_limit(
             vllm_config.scheduler_config.max_num_batched_tokens,
             getattr(vllm_config.model_config.hf_text_config, "intermediate_size", None),
-            self.num_heads_q, self.headdim, vllm_config.model_config.dtype.itemsize)
+            vllm_config.parallel_config.tensor_parallel_size, self.num_heads_q, self.headdim,
+            vllm_config.model_config.dtype.itemsize)
         if self.full_graphs:
             note_block_size(self.block_size)
             self.graph_max_reqs = min(vllm_config.scheduler_config.max_num_seqs,

@@ -41,15 +41,17 @@ class PlanGroup:
     plan: SegmentPlan
 
 
-def copy_limit(max_batched_tokens: int, intermediate_size: int | None, heads: int,
-               head_size: int, itemsize: int) -> int:
-    """How many query copies a batch's rows may hold at once: as many as fit in the memory
-    of a full batch's MLP activations (its gate and up projections' output and their
-    product, 3 x intermediate_size values a token), which vLLM's profile run measured and
-    keeps free of KV cache; at least MIN_COPY_LIMIT (also where the model names no MLP
-    size). 85k on Llama-3-8B at 16384 batched tokens."""
+def copy_limit(max_batched_tokens: int, intermediate_size: int | None,
+               tensor_parallel_size: int, heads: int, head_size: int, itemsize: int) -> int:
+    """How many query copies a batch's rows may hold at once (`heads`: this rank's): as
+    many as fit in the memory of a full batch's MLP activations on this rank (at least the
+    up projection's output: 2 x intermediate_size values a token, gated or not), which
+    vLLM's profile run measured and keeps free of KV cache. What else lives through
+    attention (the QKV projection, the own rows' turned queries and output) is about a
+    third of that, inside vLLM's memory headroom. At least MIN_COPY_LIMIT (also where the
+    model names no MLP size): 57k on Llama-3-8B at 16384 batched tokens, one GPU."""
     per_copy = heads * (2 * head_size * itemsize + 4)  # turned query, output, fp32 LSE
-    mlp = 3 * (intermediate_size or 0) * itemsize
+    mlp = 2 * (intermediate_size or 0) // tensor_parallel_size * itemsize
     return max(MIN_COPY_LIMIT, max_batched_tokens * mlp // per_copy)
 
 

@@ -22,7 +22,9 @@ from minipic.attention import cuda_backend as fb  # noqa: E402
 from minipic.attention import rope as rope_registry  # noqa: E402
 from minipic.attention.links import token_turns  # noqa: E402
 from minipic.attention.rotation import Rotation  # noqa: E402
-from minipic.attention.segment_attention import paged_flash_reference, prepare  # noqa: E402
+from minipic.attention.plan_groups import group_plans, token_groups  # noqa: E402
+from minipic.attention.segment_attention import (GroupedBatch, paged_flash_reference,  # noqa: E402
+                                                 prepare, prepare_groups)
 from minipic.attention.segment_plan import segment_plan  # noqa: E402
 from minipic.attention.span_layout import key_turn_backs, token_shifts  # noqa: E402
 from minipic.devtools.paged_attention_case import (epic_markers, make_case,  # noqa: E402
@@ -87,15 +89,22 @@ def epic_batch():
         key_turn=token_turns(turn, torch.device("cpu")))
 
 
-def rows_metadata(batch):
+def rows_metadata(batch, groups_of: int | None = None):
+    """The batch's metadata on the rows path: one plan, or (`groups_of`) token groups of
+    at most that many query copies."""
     case = batch.case
-    plan = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16,
-                        link_shifts=True)
+    qsl, seq_lens = case.cu_seqlens_q.tolist(), case.seq_lens.tolist()
+    plan = segment_plan(case.layout, qsl, seq_lens, 16, link_shifts=True)
+    rope = (case.block_table, case.cos_sin, case.rotary_dim, case.is_neox)
+    if groups_of is None:
+        rows = prepare(plan, *rope)
+    else:
+        rows = prepare_groups(group_plans(case.layout, qsl, seq_lens, 16,
+                                          token_groups(plan, qsl, groups_of),
+                                          link_shifts=True), *rope)
     return SimpleNamespace(
         num_actual_tokens=batch.n, causal=True, mm_prefix_range_tensor=None,
-        minipic_tables=None, minipic_key_turn=batch.key_turn,
-        minipic_rows=prepare(plan, case.block_table, case.cos_sin, case.rotary_dim,
-                             case.is_neox))
+        minipic_tables=None, minipic_key_turn=batch.key_turn, minipic_rows=rows)
 
 
 def flash_impl(case):
@@ -108,9 +117,13 @@ def flash_impl(case):
     return impl
 
 
-def test_a_rows_batch_writes_its_turned_keys_in_forward(monkeypatch, writes):
+@pytest.mark.parametrize("groups_of", [None, 100], ids=["one_plan", "token_groups"])
+def test_a_rows_batch_writes_its_turned_keys_in_forward(monkeypatch, writes, groups_of):
+    """Once, before any row reads the cache: in groups (plan_groups.py), by the first."""
     batch = epic_batch()
-    md = rows_metadata(batch)
+    md = rows_metadata(batch, groups_of)
+    if groups_of is not None:
+        assert isinstance(md.minipic_rows, GroupedBatch) and len(md.minipic_rows.groups) > 2
     monkeypatch.setattr(fb, "batch_metadata", lambda layer: md)
     impl = flash_impl(batch.case)
     impl.do_kv_cache_update(None, batch.key, batch.value, batch.kv_cache, batch.slots)

@@ -208,6 +208,9 @@ def test_rows_past_the_copy_limit_go_in_groups_of_query_tokens(monkeypatch):
     first = int((plan.earlier.query_index < 42).sum())  # request 0's copies
     assert 0 < first < earlier_copies(plan)
     builder = new_builder(monkeypatch, "flash")
+    builder.row_copy_limit = earlier_copies(plan)  # at the limit: one plan
+    md = build(builder, monkeypatch, markers, query_lens, seq_lens)
+    assert not isinstance(md.minipic_rows, GroupedBatch) and md.minipic_rows is not None
     for limit, extents in ((first, [(0, 1, 0, 42), (1, 2, 42, 47)]),
                            (first - 1, [(0, 1, 0, 41), (0, 2, 41, 47)])):
         builder.row_copy_limit = limit

@@ -135,10 +135,27 @@ def test_another_block_table_moves_each_groups_rows():
 
 def test_copies_may_take_the_memory_of_a_batchs_mlp_activations():
     """Llama-3-8B (32 heads of 128, MLP 14336, bf16) at 16384 batched tokens: the copies
-    (16.1 KiB each) may take what the batch's MLP activations took in vLLM's profile run
-    (84 KiB a token); never fewer than MIN_COPY_LIMIT, also without an MLP size."""
-    limit = copy_limit(16384, 14336, 32, 128, 2)
-    assert limit == 16384 * 3 * 14336 * 2 // (32 * (2 * 128 * 2 + 4)) == 85349
-    assert limit * 32 * (2 * 128 * 2 + 4) <= 16384 * 3 * 14336 * 2
-    assert copy_limit(256, 14336, 32, 128, 2) == MIN_COPY_LIMIT
-    assert copy_limit(16384, None, 32, 128, 2) == MIN_COPY_LIMIT
+    (16.1 KiB each) may take what the batch's up projection output took in vLLM's profile
+    run (56 KiB a token); under tensor parallelism each rank holds its share of the MLP
+    and of the heads; never fewer than MIN_COPY_LIMIT, also without an MLP size."""
+    assert copy_limit(16384, 14336, 1, 32, 128, 2) == 56899
+    assert copy_limit(16384, 14336, 2, 16, 128, 2) == 56899  # half the MLP, half the heads
+    assert copy_limit(65536, 14336, 2, 32, 128, 2) == 113798
+    assert copy_limit(256, 14336, 1, 32, 128, 2) == MIN_COPY_LIMIT
+    assert copy_limit(16384, None, 1, 32, 128, 2) == MIN_COPY_LIMIT
+
+
+def test_a_groups_layout_is_its_requests_rows_of_every_table():
+    """Every per-request table of the layout (span ids too: requests sharing a document
+    read it once only where their ids say so) is sliced; what was derived is not shared."""
+    from minipic.attention.plan_groups import _requests
+
+    case = shared_documents_case(dtype=torch.float32)
+    layout = case.layout
+    segment_plan(layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
+    assert layout.derived
+    part = _requests(layout, 1, 3)
+    assert not part.derived
+    for name in ("span_of", "context_pos", "shift", "frame_offset", "links_end",
+                 "link_tokens", "span_id"):
+        assert torch.equal(getattr(part, name), getattr(layout, name)[1:3]), name
