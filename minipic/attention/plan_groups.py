@@ -44,12 +44,13 @@ class PlanGroup:
 def copy_limit(max_batched_tokens: int, intermediate_size: int | None,
                tensor_parallel_size: int, heads: int, head_size: int, itemsize: int) -> int:
     """How many query copies a batch's rows may hold at once (`heads`: this rank's): as
-    many as fit in the memory of a full batch's MLP activations on this rank (at least the
-    up projection's output: 2 x intermediate_size values a token, gated or not), which
-    vLLM's profile run measured and keeps free of KV cache. What else lives through
-    attention (the QKV projection, the own rows' turned queries and output) is about a
-    third of that, inside vLLM's memory headroom. At least MIN_COPY_LIMIT (also where the
-    model names no MLP size): 57k on Llama-3-8B at 16384 batched tokens, one GPU."""
+    many as fit in the memory of a full batch's up projection output on this rank
+    (2 x intermediate_size values a token, gated MLP or not). With what else lives through
+    attention (the QKV projection, the own rows' turned queries and output: about 36 KiB a
+    token on Llama-3-8B beside the copies' 56) that is about what a gated MLP's activations
+    took in vLLM's profile run (84 KiB a token), which vLLM keeps free of KV cache; any
+    rest comes from its memory headroom. At least MIN_COPY_LIMIT (also where the model
+    names no MLP size): 57k on Llama-3-8B at 16384 batched tokens, one GPU."""
     per_copy = heads * (2 * head_size * itemsize + 4)  # turned query, output, fp32 LSE
     mlp = 2 * (intermediate_size or 0) // tensor_parallel_size * itemsize
     return max(MIN_COPY_LIMIT, max_batched_tokens * mlp // per_copy)

@@ -80,8 +80,8 @@ def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Te
 
 @dataclasses.dataclass
 class GroupedBatch:
-    """A span batch as groups of requests (plan_groups.py), attended one after another:
-    group i's SegmentBatch reads its requests' rows of the block table."""
+    """A span batch as groups of query tokens (plan_groups.py), attended one after
+    another: group i's SegmentBatch reads its requests' rows of the block table."""
 
     groups: list[PlanGroup]
     batches: list[SegmentBatch]
