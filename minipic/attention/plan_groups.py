@@ -41,7 +41,7 @@ class PlanGroup:
     plan: SegmentPlan
 
 
-def copy_limit(max_batched_tokens: int, intermediate_size: int | None,
+def copy_limit(max_batched_tokens: int, intermediate_size: int | list | None,
                tensor_parallel_size: int, heads: int, head_size: int, itemsize: int) -> int:
     """How many query copies a batch's rows may hold at once (`heads`: this rank's): as
     many as fit in the memory of a full batch's up projection output on this rank
@@ -52,7 +52,9 @@ def copy_limit(max_batched_tokens: int, intermediate_size: int | None,
     rest comes from its memory headroom. At least MIN_COPY_LIMIT (also where the model
     names no MLP size): 57k on Llama-3-8B at 16384 batched tokens, one GPU."""
     per_copy = heads * (2 * head_size * itemsize + 4)  # turned query, output, fp32 LSE
-    mlp = 2 * (intermediate_size or 0) // tensor_parallel_size * itemsize
+    if not isinstance(intermediate_size, int):  # none, or one per layer (Gemma-3n)
+        intermediate_size = 0
+    mlp = 2 * intermediate_size // tensor_parallel_size * itemsize
     return max(MIN_COPY_LIMIT, max_batched_tokens * mlp // per_copy)
 
 
@@ -64,12 +66,15 @@ def earlier_copies(plan: SegmentPlan) -> int:
 def token_groups(plan: SegmentPlan, query_start_loc: list[int], limit: int
                  ) -> list[tuple[int, int]]:
     """Consecutive query token ranges [first, end) of the batch whose earlier rows copy at
-    most `limit` queries each, as few as a greedy cut gives: each group ends at the last
-    request end within its reach, or inside a request that alone reaches past it. (A
+    most `limit` queries each, cut greedily: each group ends at the last request end
+    within its reach (whole requests plan as they would alone, at the cost of a few more
+    groups), or inside a request that alone reaches past it. (A
     single token copies once per document it reads: more than `limit` only if it reads
     that many; such a token forms a group of its own.)"""
     starts = np.asarray(query_start_loc, dtype=np.int64)
     tokens = int(starts[-1])
+    if plan.earlier is None:
+        return [(0, tokens)]
     copies_before = np.concatenate(
         [[0], np.cumsum(np.bincount(plan.earlier.query_index.numpy(), minlength=tokens))])
     groups, first = [], 0

@@ -52,6 +52,10 @@ def test_groups_end_at_requests_within_the_limit():
         assert all(sum(per_token[first:after]) > limit
                    for (first, _), after in zip(groups, following))
     assert token_groups(plan, qsl, sum(copies)) == [(0, qsl[-1])]
+    from minipic.devtools.paged_attention_case import marker_layout
+
+    plain = segment_plan(marker_layout([""], 4, 16), [0, 40], [40], 16)  # no earlier rows
+    assert plain.earlier is None and token_groups(plain, [0, 40], 1) == [(0, 40)]
 
 
 def test_a_request_past_the_limit_is_cut_between_its_tokens():
@@ -143,6 +147,7 @@ def test_copies_may_take_the_memory_of_a_batchs_mlp_activations():
     assert copy_limit(65536, 14336, 2, 32, 128, 2) == 113798
     assert copy_limit(256, 14336, 1, 32, 128, 2) == MIN_COPY_LIMIT
     assert copy_limit(16384, None, 1, 32, 128, 2) == MIN_COPY_LIMIT
+    assert copy_limit(16384, [16384] * 30, 1, 8, 256, 2) == MIN_COPY_LIMIT  # one per layer
 
 
 def test_a_groups_layout_is_its_requests_rows_of_every_table():
