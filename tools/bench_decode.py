@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.config import DEFAULT_SERVER_RECIPE  # noqa: E402
 from minipic.devtools.bench_setup import make_model, random_words  # noqa: E402
+from minipic.devtools.timing import cpu_seconds, cpu_shares  # noqa: E402
 
 # minipic_plain: minipic on, stock's plain prompts (what minipic costs a user without markers)
 ENGINES = ("stock", "minipic", "minipic_plain")
@@ -113,8 +114,7 @@ def engine_child(spec: dict) -> dict:
         if index:  # round 0 warms up
             steps += times
             cached += hits
-    wall = time.perf_counter() - began
-    cpu_share = [round((now - then) / wall, 3) for now, then in zip(cpu_seconds(), cpu_began)]
+    shares = cpu_shares(cpu_began, time.perf_counter() - began)
     if spec.get("profile_dir"):  # the warm-up's questions again (prefix hits)
         profile_decode(llm, rounds[0], f"{spec['name']}-{spec['mode']}")
     if spec.get("host_profile"):
@@ -130,24 +130,7 @@ def engine_child(spec: dict) -> dict:
             "context_tokens": context, "counted_steps": len(steps),
             "median_step_ms": statistics.median(steps) * 1e3,
             "p90_step_ms": sorted(steps)[int(0.9 * len(steps))] * 1e3,
-            "cached_fraction": sum(cached) / (len(cached) * context),
-            # CPU seconds per second of the counted rounds: near 1 for a process that is
-            # never idle (a host-bound engine core)
-            "cpu_share_front_end": cpu_share[0], "cpu_share_engine_core": cpu_share[1]}
-
-
-def cpu_seconds() -> tuple[float, float]:
-    """CPU seconds (user + system) used so far by this process (the front end, and the
-    engine core too when it runs in-process) and by its children (the engine core, else
-    only helpers such as compile workers)."""
-    import psutil
-
-    def used(process) -> float:
-        times = process.cpu_times()
-        return times.user + times.system
-
-    me = psutil.Process()
-    return used(me), sum(used(child) for child in me.children(recursive=True))
+            "cached_fraction": sum(cached) / (len(cached) * context), **shares}
 
 
 def decode_round(llm, tasks: list[list[int]], params, tag: str) -> tuple[list[float], list[int]]:

@@ -39,8 +39,9 @@ from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, add_minipic_option, connector_extra, disk_phase_list, gib, int_list,
     make_model, minipic_option_pairs, random_words)
 from minipic.devtools.rag_workload import TASK_TOKENS, RagWorkload, rag_workload  # noqa: E402
+from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window  # noqa: E402
 from minipic.devtools.store_totals import store_totals  # noqa: E402
-from minipic.devtools.timing import timed  # noqa: E402
+from minipic.devtools.timing import cpu_seconds, cpu_shares, timed  # noqa: E402
 # Figure 2's TTFT is tools/bench_ttft.py's run: its phases are engine processes of their own.
 from minipic.devtools.ttft_phases import measure as measure_ttft  # noqa: E402
 
@@ -227,9 +228,11 @@ async def table1_child(spec: dict) -> dict:
         await strategy(backend, protocol, warm, run.max_num_seqs, spec["batch_size"])
         if spec.get("profile_dir"):
             await backend.engine.start_profile()  # records PROFILED_STEPS, then stops itself
-        start = time.perf_counter()
-        facts = await strategy(backend, protocol, load, run.max_num_seqs, spec["batch_size"])
+        start, cpu_began = time.perf_counter(), cpu_seconds()
+        with sample_window(run.name):
+            facts = await strategy(backend, protocol, load, run.max_num_seqs, spec["batch_size"])
         seconds = time.perf_counter() - start
+        facts.update(cpu_shares(cpu_began, seconds))
     finally:
         await backend.close()
     return {"name": run.name, **dataclasses.asdict(run), "label": config.label,
@@ -237,7 +240,8 @@ async def table1_child(spec: dict) -> dict:
             "measured_repeat_rate": load.repeat_rate, "unique_docs": load.unique_docs,
             "repeat_window": spec.get("repeat_window"), "seconds": seconds,
             "samples_per_s": spec["samples"] / seconds,
-            "profiled": bool(spec.get("profile_dir")), **facts}
+            "profiled": bool(spec.get("profile_dir")),
+            "stack_sampled": bool(os.environ.get(ENV_FOLDER)), **facts}
 
 
 # Steps of the measured pass under the torch profiler with --profile-dir: a few steady-state
@@ -403,12 +407,14 @@ def run_child(spec: dict, work: Path, logs: Path, env: dict | None = None) -> di
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, **(env or {})}
     print(f"[bench_rag] {name} ...", flush=True)
     start = time.perf_counter()
+    # Both streams to the log: vLLM logs to stdout, an engine core's traceback too.
     with open(logs / f"{stem}.log", "w") as log:
         proc = subprocess.run([sys.executable, __file__, "child", str(spec_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=log, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                              stdout=log, stderr=subprocess.STDOUT)
+    text = (logs / f"{stem}.log").read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        tail = (logs / f"{stem}.log").read_text()[-3000:]
+        tail = text[-3000:]
         print(f"[bench_rag] {name} failed (rc {proc.returncode}):\n{tail}", file=sys.stderr)
         return {"name": name, "error": tail}
     print(f"[bench_rag] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
@@ -494,6 +500,8 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
         where += f", repeats from the {window} newest documents" if window else ""
         if any(r.get("profiled") for r in rows):
             where += f", {PROFILED_STEPS} steps of each under the torch profiler"
+        if any(r.get("stack_sampled") for r in rows):
+            where += ", every thread stack-sampled (slower)"
         lines += ["", f"### repeat rate {rate} (measured {rows[0]['measured_repeat_rate']:.3f})"
                       f"{where}, {rows[0]['samples']} samples",
                   "", "| # | configuration | strategy | max_num_seqs | attention | samples/s | "
@@ -684,6 +692,10 @@ def parse_args() -> argparse.Namespace:
                     help="trace a few steady-state steps of each measured pass with the torch "
                          "profiler (one folder per configuration; tools/trace_summary.py reads "
                          "them); the rows are then marked as profiled")
+    t1.add_argument("--stack-samples", type=Path,
+                    help="sample every thread of every process during each measured pass "
+                         "(minipic.devtools.stack_sampler) into this folder, one window per "
+                         "row; tools/stack_summary.py reads it. Rows tagged stack_sampled")
     t1.set_defaults(func=table1)
 
     f2 = commands.add_parser("figure2", parents=[common], help="TTFT and preload times")
@@ -737,6 +749,8 @@ def main() -> None:
         report(args)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "stack_samples", None):  # the children inherit it, and start samplers
+        os.environ[ENV_FOLDER] = str(args.stack_samples.resolve())
     if hasattr(args, "parts"):
         args.parts = args.parts.split(",")
     with tempfile.TemporaryDirectory() as tmp:

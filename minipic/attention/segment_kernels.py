@@ -47,7 +47,10 @@ def _turn_one_row(src, dst, cos_row, sin_row, src_stride_h, dst_stride_h,
     tl.store(dst + p, tl.load(src + p, mask=p_mask, other=0.0), mask=p_mask)
 
 
-@triton.jit
+# Integers that change from batch to batch are not specialized on: Triton would compile the
+# kernel again (about a second, with every request of the step waiting) the first time a
+# batch's row count or offset is 1, a multiple of 16 or neither where earlier ones were not.
+@triton.jit(do_not_specialize=["num_q_rows"])
 def _turn_rows_kernel(q_ptr, index_ptr, cos_ptr, sin_ptr, out_ptr,
                       q_stride_t, q_stride_h, out_stride_t, out_stride_h, turn_stride,
                       k_ptr, k_cos_ptr, k_sin_ptr, k_out_ptr, k_stride_t, k_stride_h,
@@ -153,7 +156,7 @@ def _no_keys_as_minus_inf(lse):
     return tl.where(lse == float("inf"), float("-inf"), lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["earlier_offset", "own_lse_stride_h", "earlier_lse_stride_h"])
 def _merge_rows_kernel(own_ptr, own_lse_ptr, earlier_ptr, earlier_lse_ptr, starts_ptr,
                        entries_ptr, earlier_offset, out_ptr, own_stride_t, own_stride_h,
                        own_lse_stride_h, earlier_stride_t, earlier_stride_h,

@@ -252,3 +252,27 @@ def test_finals_in_token_groups_on_fa3(limit, count):
     assert written == [case.q.shape[0]]
     assert relative_error(out, reference_attention(case)) < TOLERANCE[torch.bfloat16]
     assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]  # keys re-rounded
+
+
+def compiled_variants(kernel) -> int:
+    """How many variants Triton compiled of `kernel` on the current GPU (its cache holds
+    one per specialization key)."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+def test_batches_of_other_sizes_reuse_the_compiled_kernels():
+    """A 40-document hit with 16, 17, 32 and 33 question tokens: row counts, row offsets
+    and the LSE's strides are multiples of 16 or not, and Triton compiles nothing again
+    (a compile stalls every request of the step for about a second)."""
+    from minipic.attention import segment_kernels
+
+    kernels = (segment_kernels._turn_rows_kernel, segment_kernels._merge_rows_kernel)
+    markers = ["-" + ("S" + "-" * 62) * 40 + "P"]
+    variants = None
+    for tokens in (16, 17, 32, 33):
+        case = make_case([tokens], [16 + 40 * 1008], num_q_heads=32, num_kv_heads=8,
+                         head_size=128, dtype=torch.bfloat16, device="cuda", seed=tokens,
+                         markers=markers)
+        assert relative_error(run_rows(case), reference_attention(case)) < 1.5e-2
+        variants = variants or [compiled_variants(k) for k in kernels]
+        assert [compiled_variants(k) for k in kernels] == variants, tokens
