@@ -10,12 +10,49 @@ input grew, is added again) until it removes it (finished or preempted).
 
 from __future__ import annotations
 
+import array
 from typing import Callable, Iterable
 
 import numpy as np
 
 from minipic.attention.span_identity import NO_ID, SpanIds
 from minipic.protocol import SpanProtocol
+
+
+class _BlockTable:
+    """One block size's first token and span id of every prompt block, [rows, blocks]: a
+    batch's are one gather (a step runs a thousand rows, each new one filled once)."""
+
+    def __init__(self) -> None:
+        self.firsts = np.full((0, 0), -1, dtype=np.int64)
+        self.ids = np.full((0, 0), NO_ID, dtype=np.int64)
+        self.has_firsts: set[int] = set()  # rows filled for the prompt they run now
+        self.has_ids: set[int] = set()
+        self.spans: dict[int, list] = {}  # row -> spans its ids hold (SpanIds.release)
+
+    def fit(self, row: int, blocks: int) -> None:
+        """Room for `row` and `blocks` blocks. The width follows the longest prompt seen
+        (1024 rows of a 128k-token prompt's 8192 blocks: 128 MiB), the rows the highest
+        row seen; both grow by doubling."""
+        rows, width = self.firsts.shape
+        if row < rows and blocks <= width:
+            return
+        shape = (max(rows, 2 * row + 1) if row >= rows else rows,
+                 max(width, 2 * blocks) if blocks > width else width)
+        for name, empty in (("firsts", -1), ("ids", NO_ID)):
+            grown = np.full(shape, empty, dtype=np.int64)
+            old = getattr(self, name)
+            grown[: old.shape[0], : old.shape[1]] = old
+            setattr(self, name, grown)
+
+    def gather(self, table: np.ndarray, rows: np.ndarray, blocks: int, empty: int
+               ) -> np.ndarray:
+        shown = min(blocks, table.shape[1])
+        found = table[rows, :shown]
+        if shown == blocks:
+            return found
+        return np.concatenate([found, np.full((rows.size, blocks - shown), empty,
+                                              dtype=np.int64)], axis=1)
 
 
 class HostPrompts:
@@ -30,10 +67,9 @@ class HostPrompts:
         self._prompts: dict[int, list[int]] = {}
         self._arrays: dict[int, np.ndarray] = {}
         self._shareable: dict[int, bool] = {}
-        self._firsts: dict[tuple[int, int], np.ndarray] = {}  # (row, block_size) -> ids
-        # (row, block_size) -> (span id of each block, the chains it holds)
-        self._ids: dict[tuple[int, int], tuple[np.ndarray, list[bytes]]] = {}
-        self._derived: dict[tuple[int, object], object] = {}  # (row, key) -> derived()
+        self._lengths = np.zeros(0, dtype=np.int64)  # by row
+        self._tables: dict[int, _BlockTable] = {}  # by block size
+        self._derived: dict[int, dict[object, object]] = {}  # row -> key -> derived()
         self.span_ids = SpanIds()
         self.generation = 0  # how many prompts were added: a layout cache's key
 
@@ -45,17 +81,20 @@ class HostPrompts:
         self._forget(row)
         self._prompts[row] = list(prompt)
         self._shareable[row] = shareable
+        if row >= self._lengths.size:
+            self._lengths = np.concatenate(
+                [self._lengths, np.zeros(row + 1 + self._lengths.size, dtype=np.int64)])
+        self._lengths[row] = len(self._prompts[row])
         self.generation += 1  # layouts built from the rows before are stale
 
     def _forget(self, row: int) -> None:
         """Drop what was derived from row `row`'s prompt, its span ids given back."""
         self._arrays.pop(row, None)
-        for key in [k for k in self._firsts if k[0] == row]:
-            del self._firsts[key]
-        for key in [k for k in self._ids if k[0] == row]:
-            self.span_ids.release(self._ids.pop(key)[1])
-        for key in [k for k in self._derived if k[0] == row]:
-            del self._derived[key]
+        self._derived.pop(row, None)
+        for table in self._tables.values():
+            table.has_firsts.discard(row)
+            table.has_ids.discard(row)
+            self.span_ids.release(table.spans.pop(row, []))
 
     def remove(self, row: int) -> None:
         """Request row `row` runs nothing now: its prompt and span ids go."""
@@ -74,9 +113,10 @@ class HostPrompts:
 
     def derived(self, row: int, key: object, compute: Callable[[np.ndarray], object]) -> object:
         """compute(row's prompt), computed once while the row runs that prompt."""
-        found = self._derived.get((row, key))
+        derived = self._derived.setdefault(row, {})
+        found = derived.get(key)
         if found is None:
-            found = self._derived[(row, key)] = compute(self._array(row))
+            found = derived[key] = compute(self._array(row))
         return found
 
     def blocks(self, rows: np.ndarray, block_size: int, blocks: int, span_ids: bool = True
@@ -84,38 +124,42 @@ class HostPrompts:
         """[len(rows), blocks] first token of each prompt block (-1 past the prompt,
         never a marker) and, with `span_ids`, its span id (span_identity.NO_ID outside
         spans; else None), and [len(rows)] prompt lengths."""
-        firsts = np.full((len(rows), blocks), -1, dtype=np.int64)
-        ids = np.full((len(rows), blocks), NO_ID, dtype=np.int64) if span_ids else None
-        lengths = np.empty(len(rows), dtype=np.int64)
-        for i, row in enumerate(rows.tolist()):
-            key = (row, block_size)
-            prompt_firsts = self._firsts.get(key)
-            if prompt_firsts is None:
-                prompt_firsts = self._firsts[key] = np.asarray(
-                    self._prompts[row][::block_size], dtype=np.int64)
-            shown = min(blocks, prompt_firsts.size)
-            firsts[i, :shown] = prompt_firsts[:shown]
-            if span_ids:
-                ids[i, :shown] = self._span_ids(key)[:shown]
-            lengths[i] = len(self._prompts[row])
-        return firsts, ids, lengths
+        table = self._tables.setdefault(block_size, _BlockTable())
+        listed = rows.tolist()
+        for row in listed:
+            if row not in table.has_firsts:
+                self._fill_firsts(table, row, block_size)
+        ids = None
+        if span_ids:
+            for row in listed:
+                if row not in table.has_ids:
+                    self._fill_ids(table, row, block_size)
+            ids = table.gather(table.ids, rows, blocks, NO_ID)
+        return table.gather(table.firsts, rows, blocks, -1), ids, self._lengths[rows]
+
+    def _fill_firsts(self, table: _BlockTable, row: int, block_size: int) -> None:
+        firsts = self._prompts[row][::block_size]
+        table.fit(row, len(firsts))
+        table.firsts[row, : len(firsts)] = firsts
+        table.firsts[row, len(firsts):] = -1
+        table.has_firsts.add(row)
+
+    def _fill_ids(self, table: _BlockTable, row: int, block_size: int) -> None:
+        """The prompt's span ids, hashed once while the row runs it."""
+        prompt = self._array(row)
+        blocks = -(-prompt.size // block_size)
+        table.fit(row, blocks)
+        table.ids[row] = NO_ID
+        if self._shareable[row]:
+            ids, table.spans[row] = self.span_ids.take(
+                prompt, block_size, self._protocol.ssep_token_id, self._protocol.markers)
+            table.ids[row, :blocks] = ids
+        table.has_ids.add(row)
 
     def _array(self, row: int) -> np.ndarray:
         """Row `row`'s prompt as int64 ids, converted once while the row runs it."""
         found = self._arrays.get(row)
-        if found is None:
-            found = self._arrays[row] = np.asarray(self._prompts[row], dtype=np.int64)
+        if found is None:  # through array: a third faster than from the list
+            found = self._arrays[row] = np.frombuffer(array.array("q", self._prompts[row]),
+                                                      dtype=np.int64)
         return found
-
-    def _span_ids(self, key: tuple[int, int]) -> np.ndarray:
-        """The prompt's span ids, hashed once (about a microsecond a block)."""
-        found = self._ids.get(key)
-        if found is None:
-            prompt = self._array(key[0])
-            if self._shareable[key[0]]:
-                found = self.span_ids.take(prompt, key[1], self._protocol.ssep_token_id,
-                                           self._protocol.markers)
-            else:
-                found = (np.full(-(-prompt.size // key[1]), NO_ID, dtype=np.int64), [])
-            self._ids[key] = found
-        return found[0]

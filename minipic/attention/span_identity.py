@@ -7,14 +7,18 @@ prompts; so a batch whose requests share documents reads each shared span tail o
 for all their queries (segment_plan.py), as vLLM's cascade attention reads a shared
 prefix once.
 
-Blocks are told apart by a 128-bit BLAKE2b chain over their span's tokens: spans
-that differ never share an id, even when a client crafts them to. A request whose KV
-depends on more than its tokens (a LoRA adapter, multimodal inputs, prompt embeddings)
-and a request with a cache_salt (its tenant's isolation: sharing would tell in the step
+A span is told apart by a 128-bit BLAKE2b digest of its tokens (its full blocks, from
+its SSep block to the next marker block): spans that differ never share an id, even
+when a client crafts them to, and a block's id is its span's first id plus its place
+in the span, so the same document gets the same ids wherever it sits. One digest a
+span, not a chain of digests a block: a step may add hundreds of prompts (ISPS at
+repeat rate 0.9: about 180 of 66 blocks each), all hashed on the step's host time.
+Two spans that share their first blocks but not their last share nothing, which only
+costs a read. A request whose KV depends on more than its tokens (a LoRA adapter,
+multimodal inputs, prompt embeddings) and a request with a cache_salt (its tenant's isolation: sharing would tell in the step
 time that another request holds the same document) get no ids (host_prompts.py,
-_vllm_patches._note_host_prompts). The ids are integers,
-one per distinct chain among the running prompts; the table drops a chain when no
-running prompt holds it, so it is as large as the running batch, not the traffic.
+_vllm_patches._note_host_prompts). The table drops a span when no running prompt holds
+it, so it is as large as the running batch, not the traffic.
 """
 
 from __future__ import annotations
@@ -23,54 +27,71 @@ import hashlib
 
 import numpy as np
 
-# A block outside SSep spans (or a span's partial last block): no id, never shared.
+# A block outside SSep spans (or in a span no other row reads): no id, never shared.
 NO_ID = -1
 
 
 class SpanIds:
-    """Reference-counted ids of span block chains."""
+    """Reference-counted id ranges of spans."""
 
     def __init__(self) -> None:
-        self._ids: dict[bytes, list[int]] = {}  # chain -> [id, prompts holding it]
+        # (block_size, digest) -> [first id, prompts holding it]; the span's blocks take
+        # the ids from its first on (the digest fixes how many)
+        self._spans: dict[tuple[int, bytes], list[int]] = {}
         self._next = 0
 
     def take(self, prompt: np.ndarray, block_size: int, ssep: int,
-             markers: frozenset[int]) -> tuple[np.ndarray, list[bytes]]:
-        """Per block of `prompt`, the id of its chain (NO_ID outside SSep spans), and
-        the chains taken (give them back with `release`).
+             markers: frozenset[int]) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
+        """Per block of `prompt`, its span's first id plus its place in the span (NO_ID
+        outside SSep spans), and the spans taken (give them back with `release`).
 
         A span runs from an SSep block to the next marker block (span_layout's rule);
-        markers count at block starts of the prompt only, as in the block hasher."""
-        firsts = prompt[::block_size].tolist()
-        ids = np.full(len(firsts), NO_ID, dtype=np.int64)
-        data, width = prompt.astype(np.int64).tobytes(), 8 * block_size
-        full_blocks = prompt.size // block_size  # a partial last block holds queries only
-        chains, chain = [], None
-        for block, first in enumerate(firsts[:full_blocks]):
-            if first in markers:
-                chain = b"" if first == ssep else None
-            if chain is None:
-                continue
-            chain = hashlib.blake2b(chain + data[block * width: (block + 1) * width],
-                                    digest_size=16).digest()
-            ids[block] = self._hold(chain)
-            chains.append(chain)
-        return ids, chains
+        markers count at block starts of the prompt only, as in the block hasher. A
+        partial last block holds queries only: no id; neither does a span at the prompt's
+        end."""
+        blocks, full_blocks = -(-prompt.size // block_size), prompt.size // block_size
+        ids = np.full(blocks, NO_ID, dtype=np.int64)
+        firsts = prompt[::block_size]  # a partial last block's too: its marker counts
+        is_marker = np.zeros(blocks, dtype=bool)
+        for marker in markers:  # three or four: cheaper than np.isin
+            is_marker |= firsts == marker
+        starts = np.flatnonzero(is_marker)
+        ends = np.append(starts[1:], blocks)
+        is_span = firsts[starts] == ssep
+        # A span that runs to the prompt's end (a span prefilled alone) is read by its own
+        # queries only, generated tokens included (they extend it): no other row reads it,
+        # so it needs no id (ISPS adds as many such prompts as final ones).
+        is_span[-1:] &= ends[-1:] < blocks
+        starts, ends = starts[is_span], np.minimum(ends[is_span], full_blocks)
+        starts, ends = starts[ends > starts], ends[ends > starts]
+        data = memoryview(np.ascontiguousarray(prompt, dtype=np.int64)).cast("B")
+        width = 8 * block_size
+        spans = [(block_size, hashlib.blake2b(data[start * width: end * width],
+                                              digest_size=16).digest())
+                 for start, end in zip(starts.tolist(), ends.tolist())]
+        counts = ends - starts
+        first_ids = np.array([self._hold(span, count)
+                              for span, count in zip(spans, counts.tolist())], dtype=np.int64)
+        # each span's blocks: its first id plus the block's place in the span
+        place = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        ids[np.repeat(starts, counts) + place] = np.repeat(first_ids, counts) + place
+        return ids, spans
 
-    def release(self, chains: list[bytes]) -> None:
-        for chain in chains:
-            entry = self._ids[chain]
+    def release(self, spans: list[tuple[int, bytes]]) -> None:
+        for span in spans:
+            entry = self._spans[span]
             entry[1] -= 1
             if entry[1] == 0:
-                del self._ids[chain]
+                del self._spans[span]
 
     def __len__(self) -> int:
-        return len(self._ids)
+        """How many distinct spans the running prompts hold."""
+        return len(self._spans)
 
-    def _hold(self, chain: bytes) -> int:
-        entry = self._ids.get(chain)
+    def _hold(self, span: tuple[int, bytes], blocks: int) -> int:
+        entry = self._spans.get(span)
         if entry is None:
-            entry = self._ids[chain] = [self._next, 0]
-            self._next += 1
+            entry = self._spans[span] = [self._next, 0]
+            self._next += blocks
         entry[1] += 1
         return entry[0]

@@ -47,6 +47,8 @@ TIMED = (
     "vllm.v1.engine.output_processor:OutputProcessor.process_outputs",
     # engine core: its input thread, then the scheduler
     "vllm.v1.engine.core:EngineCore.preprocess_add_request",
+    "vllm.v1.engine.core:EngineCore.step",
+    "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
     "vllm.v1.core.sched.scheduler:Scheduler.add_request",
     "vllm.v1.core.sched.scheduler:Scheduler.schedule",
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",

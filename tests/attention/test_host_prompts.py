@@ -111,10 +111,16 @@ def test_mrv2_layout_from_host_prompts_matches_the_token_table(monkeypatch):
         assert torch.equal(getattr(got, field)[:, :blocks], getattr(want, field)), field
     for field in ("links_end", "link_tokens"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
-    # ids for span blocks only: all of them but a prompt's partial last block
+    # ids for span blocks only: all of them but a prompt's partial last block, and none of
+    # a span that runs to the prompt's end (no other row reads it)
     full = torch.arange(got.span_of.shape[1]) < torch.tensor(
         [len(prompts[r]) // BLOCK for r in rows.tolist()])[:, None]
-    assert torch.equal(got.span_id >= 0, (got.span_of >= 0) & full)
+    last_marker = torch.tensor([max((i for i, first in enumerate(prompts[r][::BLOCK])
+                                     if first in P.markers), default=-1)
+                                for r in rows.tolist()])
+    followed = got.span_of < last_marker[:, None]
+    assert torch.equal(got.span_id >= 0, (got.span_of >= 0) & full & followed)
+    assert (got.span_id >= 0).any() and ((got.span_of >= 0) & ~followed).any()
 
 
 def words(rng: random.Random, n: int) -> list[int]:
@@ -138,9 +144,10 @@ def test_the_same_document_anywhere_gets_the_same_span_ids():
     assert ids[1, :2].tolist() == [-1, -1] and ids[1, 8] == -1
 
 
-def test_a_span_id_is_the_spans_tokens_so_far():
-    """Blocks after a differing token differ, blocks before it keep their ids: an id stands
-    for every token from the span's SSep block through its block."""
+def test_a_span_id_is_the_whole_spans_tokens_and_the_blocks_place():
+    """One token differs, in the second block: every block of the span gets another id
+    (an id stands for the span's tokens and the block's place in it), and the same span
+    at a block size of its own gets ids of its own."""
     rng = random.Random(3)
     doc = [3] + words(rng, 47)
     changed = list(doc)
@@ -148,13 +155,39 @@ def test_a_span_id_is_the_spans_tokens_so_far():
     prompts = HostPrompts(P)
     prompts.add(0, doc + [4] + words(rng, 5))
     prompts.add(1, changed + [4] + words(rng, 5))
-    _, ids, _ = prompts.blocks(np.array([0, 1]), BLOCK, 4)
-    assert ids[0, 0] == ids[1, 0]
-    assert ids[0, 1] != ids[1, 1] and ids[0, 2] != ids[1, 2]
+    prompts.add(2, doc + [4] + words(rng, 9))
+    _, ids, _ = prompts.blocks(np.array([0, 1, 2]), BLOCK, 4)
+    assert ids[0, :3].tolist() == ids[2, :3].tolist()
+    assert not set(ids[0, :3].tolist()) & set(ids[1, :3].tolist())
+    _, wide, _ = prompts.blocks(np.array([0, 2]), 2 * BLOCK, 2)
+    assert wide[0, 0] == wide[1, 0] and wide[0, 0] not in ids[:, :3]
+
+
+def test_rows_and_prompts_of_any_size_keep_their_blocks():
+    """Rows far apart and prompts longer than any before grow the tables; every row keeps
+    its blocks, and a row that runs a shorter prompt now shows none of the longer one."""
+    rng = random.Random(9)
+    runs = {0: span_prompt(rng, 2), 40: span_prompt(rng, 30), 3: span_prompt(rng, 5),
+            900: span_prompt(rng, 90)}
+    prompts = HostPrompts(P)
+    for row, prompt in runs.items():
+        prompts.add(row, prompt)
+        prompts.blocks(np.array([row]), BLOCK, 4)  # filled as it comes
+    rows = np.array(list(runs))
+    firsts, ids, lengths = prompts.blocks(rows, BLOCK, 100)
+    for i, prompt in enumerate(runs.values()):
+        shown = prompt[::BLOCK]
+        assert firsts[i, : len(shown)].tolist() == shown and (firsts[i, len(shown):] == -1).all()
+        assert lengths[i] == len(prompt)
+    short = [3] + words(rng, 31) + [4] + words(rng, 3)
+    prompts.add(900, short)
+    firsts, ids, _ = prompts.blocks(np.array([900]), BLOCK, 100)
+    assert firsts[0, :3].tolist() == short[::BLOCK] and (firsts[0, 3:] == -1).all()
+    assert (ids[0, :2] >= 0).all() and (ids[0, 2:] == -1).all()  # the span, then the task
 
 
 def test_span_ids_are_freed_with_their_last_prompt():
-    """The id table holds the running prompts' chains only (a server's traffic would
+    """The id table holds the running prompts' spans only (a server's traffic would
     grow it without end)."""
     rng = random.Random(4)
     doc = [3] + words(rng, 31)
@@ -162,10 +195,10 @@ def test_span_ids_are_freed_with_their_last_prompt():
     for row in (0, 1):
         prompts.add(row, doc + [4] + words(rng, 3))
         prompts.blocks(np.array([row]), BLOCK, 3)
-    assert len(prompts.span_ids) == 2  # two blocks, held by two prompts
+    assert len(prompts.span_ids) == 1  # one span, held by two prompts
     prompts.add(0, [4] + words(rng, 40))
     prompts.blocks(np.array([0]), BLOCK, 3)
-    assert len(prompts.span_ids) == 2
+    assert len(prompts.span_ids) == 1
     prompts.add(1, [4] + words(rng, 40))
     assert len(prompts.span_ids) == 0
 
@@ -187,7 +220,7 @@ def test_a_removed_request_gives_back_its_prompt_and_ids():
     prompts = HostPrompts(P)
     prompts.add(3, [3] + words(rng, 31) + [4] + words(rng, 3))
     prompts.blocks(np.array([3]), BLOCK, 3)
-    assert len(prompts) == 1 and len(prompts.span_ids) == 2
+    assert len(prompts) == 1 and len(prompts.span_ids) == 1
     before = prompts.generation
     prompts.remove(3)
     assert len(prompts) == 0 and len(prompts.span_ids) == 0 and prompts.generation > before
@@ -235,7 +268,7 @@ def test_only_unsalted_plain_token_requests_are_tagged_shareable(monkeypatch):
     from minipic import _vllm_patches as patches
 
     def new(req_id, **extra):
-        fields = dict(req_id=req_id, prompt_token_ids=[3] + list(range(10, 41)),
+        fields = dict(req_id=req_id, prompt_token_ids=[3] + list(range(10, 41)) + [4],
                       lora_request=None, mm_features=[], prompt_embeds=None)
         return SimpleNamespace(**{**fields, **extra})
 

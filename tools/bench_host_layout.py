@@ -1,0 +1,104 @@
+"""Host time of a span batch's layout under Model Runner V2, on any CPU (no GPU, no engine).
+
+A step of ISPS at a high repeat rate adds hundreds of new prompts to a running batch of
+about a thousand: the runner keeps each new prompt on the host (HostPrompts.add, inside
+GPUModelRunner.add_requests) and the attention builder derives the batch's SpanLayout,
+span ids included (span_layout.current_layout). Both run on the step's host time, ahead of
+the GPU. This tool times them as one step: block_attention prompts of `--docs` documents
+drawn from a pool, `--new` of the `--rows` rows replaced each step, `--prefill-share` of
+them by a document's span prefilled alone (ISPS at repeat rate 0.9 sends about as many of
+those as final prompts).
+
+    .venv/bin/python tools/bench_host_layout.py --rows 1024 --new 180 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from minipic.attention import span_layout  # noqa: E402
+from minipic.attention.host_prompts import HostPrompts  # noqa: E402
+from minipic.client.prompts.recipes import block_attention  # noqa: E402
+from minipic.protocol import SpanProtocol  # noqa: E402
+
+PROTOCOL = SpanProtocol(ssep_token_id=1, pdep_token_id=2, pad_token_id=3)
+
+
+class _Runner:
+    """What current_layout reads of a Model Runner V2: its host prompts."""
+
+
+def words(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(10, 30000) for _ in range(count)]
+
+
+def main() -> None:
+    args = parse_args()
+    rng = random.Random(args.seed)
+    pool = [words(rng, args.doc_tokens) for _ in range(args.pool)]
+
+    def prompt() -> list[int]:
+        built = block_attention(rng.sample(pool, args.docs), words(rng, args.task_tokens),
+                                protocol=PROTOCOL, block_size=args.block_size,
+                                system=words(rng, 15))
+        if rng.random() < args.prefill_share:
+            return rng.choice(built.span_prefills)
+        return built.final
+
+    runner, prompts = _Runner(), HostPrompts(PROTOCOL)
+    runner.minipic_host_prompts = prompts
+    span_layout.register_runner(runner, PROTOCOL)
+    rows = np.arange(args.rows)
+    span_layout.note_mrv2_batch(torch.from_numpy(rows), rows)
+    torch.set_num_threads(1)  # as the builder runs (SpanBatchBuilder.build)
+    for row in rows.tolist():
+        prompts.add(row, prompt())
+    longest = max(prompts.blocks(rows, args.block_size, 1, span_ids=False)[2]) + args.block_size
+    adds, layouts = [], []
+    for step in range(args.steps + 1):
+        new = {row: prompt() for row in rng.sample(range(args.rows), args.new)}
+        start = time.perf_counter()
+        for row, tokens in new.items():
+            prompts.add(row, tokens)
+        added = time.perf_counter()
+        span_layout.current_layout(args.rows, args.block_size, longest)
+        if step:  # step 0 fills every row once
+            adds.append(added - start)
+            layouts.append(time.perf_counter() - added)
+    result = {"rows": args.rows, "new_per_step": args.new, "steps": args.steps,
+              "docs": args.docs, "prefill_share": args.prefill_share,
+              "median_add_ms": round(statistics.median(adds) * 1e3, 2),
+              "median_layout_ms": round(statistics.median(layouts) * 1e3, 2)}
+    print(json.dumps(result))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1024, help="running requests")
+    parser.add_argument("--new", type=int, default=180, help="new requests a step")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--docs", type=int, default=10, help="documents a prompt")
+    parser.add_argument("--doc-tokens", type=int, default=100)
+    parser.add_argument("--task-tokens", type=int, default=32)
+    parser.add_argument("--prefill-share", type=float, default=0.5,
+                        help="share of new prompts that are a span prefilled alone")
+    parser.add_argument("--pool", type=int, default=400, help="distinct documents")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()
