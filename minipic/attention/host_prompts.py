@@ -19,40 +19,47 @@ from minipic.attention.span_identity import NO_ID, SpanIds
 from minipic.protocol import SpanProtocol
 
 
+# Table growth steps: rows past the highest row seen, blocks past the longest prompt seen.
+ROW_STEP, BLOCK_STEP = 256, 64
+
+
 class _BlockTable:
     """One block size's first token and span id of every prompt block, [rows, blocks]: a
-    batch's are one gather (a step runs a thousand rows, each new one filled once)."""
+    batch's are one gather (a step runs a thousand rows, each new one filled once). It holds
+    12 bytes per row and block of the longest prompt seen, and never shrinks: 1024 rows
+    after a 131072-token prompt at block size 16, 96 MiB."""
 
     def __init__(self) -> None:
-        self.firsts = np.full((0, 0), -1, dtype=np.int64)
+        self.firsts = np.full((0, 0), -1, dtype=np.int32)  # token ids fit in 31 bits
         self.ids = np.full((0, 0), NO_ID, dtype=np.int64)
+        self.filled = np.zeros(0, dtype=np.int64)  # blocks each row's prompt has
         self.has_firsts: set[int] = set()  # rows filled for the prompt they run now
         self.has_ids: set[int] = set()
-        self.spans: dict[int, list] = {}  # row -> spans its ids hold (SpanIds.release)
+        self.spans: dict[int, list[tuple[int, bytes]]] = {}  # row -> its ids' spans
 
     def fit(self, row: int, blocks: int) -> None:
-        """Room for `row` and `blocks` blocks. The width follows the longest prompt seen
-        (1024 rows of a 128k-token prompt's 8192 blocks: 128 MiB), the rows the highest
-        row seen; both grow by doubling."""
+        """Room for `row` and `blocks` blocks (growing in steps: copies are rare)."""
         rows, width = self.firsts.shape
         if row < rows and blocks <= width:
             return
-        shape = (max(rows, 2 * row + 1) if row >= rows else rows,
-                 max(width, 2 * blocks) if blocks > width else width)
+        shape = (max(rows, -(-(row + 1) // ROW_STEP) * ROW_STEP),
+                 max(width, -(-blocks // BLOCK_STEP) * BLOCK_STEP))
         for name, empty in (("firsts", -1), ("ids", NO_ID)):
-            grown = np.full(shape, empty, dtype=np.int64)
             old = getattr(self, name)
-            grown[: old.shape[0], : old.shape[1]] = old
+            grown = np.full(shape, empty, dtype=old.dtype)
+            grown[:rows, :width] = old
             setattr(self, name, grown)
+        self.filled = np.concatenate([self.filled, np.zeros(shape[0] - rows, dtype=np.int64)])
 
-    def gather(self, table: np.ndarray, rows: np.ndarray, blocks: int, empty: int
-               ) -> np.ndarray:
-        shown = min(blocks, table.shape[1])
-        found = table[rows, :shown]
-        if shown == blocks:
-            return found
-        return np.concatenate([found, np.full((rows.size, blocks - shown), empty,
-                                              dtype=np.int64)], axis=1)
+
+def _gather(table: np.ndarray, rows: np.ndarray, blocks: int, empty: int) -> np.ndarray:
+    """table[rows, :blocks], `empty` past the table's width (a copy: layouts keep it)."""
+    shown = min(blocks, table.shape[1])
+    found = table[rows, :shown]
+    if shown == blocks:
+        return found
+    return np.concatenate([found, np.full((rows.size, blocks - shown), empty,
+                                          dtype=table.dtype)], axis=1)
 
 
 class HostPrompts:
@@ -134,26 +141,29 @@ class HostPrompts:
             for row in listed:
                 if row not in table.has_ids:
                     self._fill_ids(table, row, block_size)
-            ids = table.gather(table.ids, rows, blocks, NO_ID)
-        return table.gather(table.firsts, rows, blocks, -1), ids, self._lengths[rows]
+            ids = _gather(table.ids, rows, blocks, NO_ID)
+        return _gather(table.firsts, rows, blocks, -1), ids, self._lengths[rows]
 
     def _fill_firsts(self, table: _BlockTable, row: int, block_size: int) -> None:
+        """Row `row`'s block first tokens; past them, as far as the row's last prompt
+        reached, nothing (-1; a row's ids are cleared in the same stretch)."""
         firsts = self._prompts[row][::block_size]
         table.fit(row, len(firsts))
+        reached = max(len(firsts), int(table.filled[row]))
         table.firsts[row, : len(firsts)] = firsts
-        table.firsts[row, len(firsts):] = -1
+        table.firsts[row, len(firsts): reached] = -1
+        table.ids[row, :reached] = NO_ID  # filled again by _fill_ids if asked for
+        table.filled[row] = len(firsts)
         table.has_firsts.add(row)
 
     def _fill_ids(self, table: _BlockTable, row: int, block_size: int) -> None:
-        """The prompt's span ids, hashed once while the row runs it."""
-        prompt = self._array(row)
-        blocks = -(-prompt.size // block_size)
-        table.fit(row, blocks)
-        table.ids[row] = NO_ID
+        """The prompt's span ids, hashed once while the row runs it (after its firsts,
+        which clear the row's old ids)."""
         if self._shareable[row]:
             ids, table.spans[row] = self.span_ids.take(
-                prompt, block_size, self._protocol.ssep_token_id, self._protocol.markers)
-            table.ids[row, :blocks] = ids
+                self._array(row), block_size, self._protocol.ssep_token_id,
+                self._protocol.markers)
+            table.ids[row, : ids.size] = ids
         table.has_ids.add(row)
 
     def _array(self, row: int) -> np.ndarray:

@@ -14,11 +14,13 @@ in the span, so the same document gets the same ids wherever it sits. One digest
 span, not a chain of digests a block: a step may add hundreds of prompts (ISPS at
 repeat rate 0.9: about 180 of 66 blocks each), all hashed on the step's host time.
 Two spans that share their first blocks but not their last share nothing, which only
-costs a read. A request whose KV depends on more than its tokens (a LoRA adapter,
-multimodal inputs, prompt embeddings) and a request with a cache_salt (its tenant's isolation: sharing would tell in the step
-time that another request holds the same document) get no ids (host_prompts.py,
-_vllm_patches._note_host_prompts). The table drops a span when no running prompt holds
-it, so it is as large as the running batch, not the traffic.
+costs a read; so does a span at its prompt's end, which gets no ids (only its own
+queries read it). A request whose KV depends on more than its tokens (a LoRA adapter,
+multimodal inputs, prompt embeddings) and a request with a cache_salt (its tenant's
+isolation: sharing would tell in the step time that another request holds the same
+document) get no ids (host_prompts.py, _vllm_patches._note_host_prompts). The table
+drops a span when no running prompt holds it, so it is as large as the running batch,
+not the traffic.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import hashlib
 
 import numpy as np
 
-# A block outside SSep spans (or in a span no other row reads): no id, never shared.
+# A block outside SSep spans, or in a span no other row reads: no id, never shared.
 NO_ID = -1
 
 
@@ -46,24 +48,24 @@ class SpanIds:
         outside SSep spans), and the spans taken (give them back with `release`).
 
         A span runs from an SSep block to the next marker block (span_layout's rule);
-        markers count at block starts of the prompt only, as in the block hasher. A
-        partial last block holds queries only: no id; neither does a span at the prompt's
-        end."""
-        blocks, full_blocks = -(-prompt.size // block_size), prompt.size // block_size
+        markers count at block starts of the prompt only, as in the block hasher. A span
+        at the prompt's end gets no id."""
+        blocks = -(-prompt.size // block_size)
         ids = np.full(blocks, NO_ID, dtype=np.int64)
         firsts = prompt[::block_size]  # a partial last block's too: its marker counts
         is_marker = np.zeros(blocks, dtype=bool)
         for marker in markers:  # three or four: cheaper than np.isin
             is_marker |= firsts == marker
-        starts = np.flatnonzero(is_marker)
-        ends = np.append(starts[1:], blocks)
+        marker_blocks = np.flatnonzero(is_marker)
+        # The last marker's segment runs to the prompt's end. A span there (a span prefilled
+        # alone) is read by its own queries only, generated tokens included (they extend
+        # it): no other row reads it, so it needs no id (ISPS adds as many such prompts as
+        # final ones). Every other span ends at a marker block, so its blocks are full.
+        starts, ends = marker_blocks[:-1], marker_blocks[1:]
         is_span = firsts[starts] == ssep
-        # A span that runs to the prompt's end (a span prefilled alone) is read by its own
-        # queries only, generated tokens included (they extend it): no other row reads it,
-        # so it needs no id (ISPS adds as many such prompts as final ones).
-        is_span[-1:] &= ends[-1:] < blocks
-        starts, ends = starts[is_span], np.minimum(ends[is_span], full_blocks)
-        starts, ends = starts[ends > starts], ends[ends > starts]
+        starts, ends = starts[is_span], ends[is_span]
+        if starts.size == 0:
+            return ids, []
         data = memoryview(np.ascontiguousarray(prompt, dtype=np.int64)).cast("B")
         width = 8 * block_size
         spans = [(block_size, hashlib.blake2b(data[start * width: end * width],

@@ -149,10 +149,10 @@ class SpanLayout:
     quiet: torch.Tensor | None = None
     logical: torch.Tensor | None = None
     read_offset: torch.Tensor | None = None
-    # [reqs, blocks] int64, Model Runner V2 only: an id of the tokens from b's span start
-    # through b (span_identity.py; -1 outside spans): blocks of one id hold the same keys
-    # in the same frame, so requests sharing a document read it once (segment_plan.py).
-    # None: not known, nothing shared.
+    # [reqs, blocks] int64, Model Runner V2 only: an id of b's span (all its tokens) and
+    # b's place in it (span_identity.py; -1 outside spans and in a span at its prompt's
+    # end): blocks of one id hold the same keys in the same frame, so requests sharing a
+    # document read it once (segment_plan.py). None: not known, nothing shared.
     span_id: torch.Tensor | None = None
     # What plans derive from this layout object (segment_plan.py): a decode step over the
     # same requests gets the last step's layout object, so its plan starts from the last

@@ -13,23 +13,30 @@ def timed(call: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def cpu_seconds() -> tuple[float, float]:
+def cpu_seconds() -> tuple[float, dict[int, float]]:
     """CPU seconds (user + system) used so far by this process (the front end, and the
-    engine core too when it runs in-process) and by its children (the engine core, else
-    only helpers such as compile workers)."""
+    engine core too when it runs in-process) and, by pid, by its children (the engine
+    core, else only helpers such as compile workers)."""
     import psutil
 
     def used(process) -> float:
         times = process.cpu_times()
         return times.user + times.system
 
-    me = psutil.Process()
-    return used(me), sum(used(child) for child in me.children(recursive=True))
+    me, children = psutil.Process(), {}
+    for child in me.children(recursive=True):
+        try:
+            children[child.pid] = used(child)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass  # ended since it was listed
+    return used(me), children
 
 
-def cpu_shares(began: tuple[float, float], wall: float) -> dict:
+def cpu_shares(began: tuple[float, dict[int, float]], wall: float) -> dict:
     """CPU seconds per wall second since `began` (cpu_seconds()): near 1 for a process that
-    was never idle, a host-bound one."""
-    now = cpu_seconds()
-    return {"cpu_share_front_end": round((now[0] - began[0]) / wall, 3),
-            "cpu_share_engine_core": round((now[1] - began[1]) / wall, 3)}
+    was never idle, a host-bound one. A child that ended in between counts for nothing
+    after its last reading."""
+    own, children = cpu_seconds()
+    child_seconds = sum(seconds - began[1].get(pid, 0.0) for pid, seconds in children.items())
+    return {"cpu_share_front_end": round((own - began[0]) / wall, 3),
+            "cpu_share_engine_core": round(child_seconds / wall, 3)}

@@ -273,6 +273,6 @@ def test_batches_of_other_sizes_reuse_the_compiled_kernels():
         case = make_case([tokens], [16 + 40 * 1008], num_q_heads=32, num_kv_heads=8,
                          head_size=128, dtype=torch.bfloat16, device="cuda", seed=tokens,
                          markers=markers)
-        assert relative_error(run_rows(case), reference_attention(case)) < 1.5e-2
+        assert relative_error(run_rows(case), reference_attention(case)) < TOLERANCE[torch.bfloat16]
         variants = variants or [compiled_variants(k) for k in kernels]
         assert [compiled_variants(k) for k in kernels] == variants, tokens
