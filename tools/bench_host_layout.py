@@ -79,8 +79,8 @@ def main() -> None:
             layouts.append(time.perf_counter() - added)
     result = {"rows": args.rows, "new_per_step": args.new, "steps": args.steps,
               "docs": args.docs, "prefill_share": args.prefill_share,
-              "median_add_ms": round(statistics.median(adds) * 1e3, 2),
-              "median_layout_ms": round(statistics.median(layouts) * 1e3, 2)}
+              "median_add_ms": round(statistics.median(adds) * 1e3, 3),
+              "median_layout_ms": round(statistics.median(layouts) * 1e3, 3)}
     print(json.dumps(result))
 
 

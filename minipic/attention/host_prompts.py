@@ -26,8 +26,8 @@ ROW_STEP, BLOCK_STEP = 256, 64
 class _BlockTable:
     """One block size's first token and span id of every prompt block, [rows, blocks]: a
     batch's are one gather (a step runs a thousand rows, each new one filled once). It holds
-    12 bytes per row and block of the longest prompt seen, and never shrinks: 1024 rows
-    after a 131072-token prompt at block size 16, 96 MiB."""
+    12 bytes per row and block of the longest prompt seen (up to half again), and never
+    shrinks: 1024 rows after a 131072-token prompt at block size 16, 96 to 144 MiB."""
 
     def __init__(self) -> None:
         self.firsts = np.full((0, 0), -1, dtype=np.int32)  # token ids fit in 31 bits
@@ -38,12 +38,15 @@ class _BlockTable:
         self.spans: dict[int, list[tuple[int, bytes]]] = {}  # row -> its ids' spans
 
     def fit(self, row: int, blocks: int) -> None:
-        """Room for `row` and `blocks` blocks (growing in steps: copies are rare)."""
+        """Room for `row` and `blocks` blocks."""
         rows, width = self.firsts.shape
         if row < rows and blocks <= width:
             return
+        # rows are bounded by max_num_seqs; widths grow by half at least, so prompts that
+        # lengthen a few blocks at a time copy the table a few times, not once each
         shape = (max(rows, -(-(row + 1) // ROW_STEP) * ROW_STEP),
-                 max(width, -(-blocks // BLOCK_STEP) * BLOCK_STEP))
+                 width if blocks <= width
+                 else max(-(-blocks // BLOCK_STEP) * BLOCK_STEP, width * 3 // 2))
         for name, empty in (("firsts", -1), ("ids", NO_ID)):
             old = getattr(self, name)
             grown = np.full(shape, empty, dtype=old.dtype)

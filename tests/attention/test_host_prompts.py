@@ -331,3 +331,77 @@ def test_decode_steps_plan_as_from_scratch(monkeypatch, seed):
                     (step, part, field.name)
     assert runner.minipic_host_prompts.holds(rows)
     assert sum(p is layout for p in planned) == 1  # the first step only: the rest stepped on
+
+
+def _random_prompt(rng: random.Random) -> list[int]:
+    """Documents from a small pool (so some repeat), tasks and plain words, cut anywhere:
+    prompts of a block or less up to 200 blocks."""
+    pool = [[3] + [rng.randrange(10, 13) for _ in range(BLOCK * rng.choice([1, 2, 3]) - 1)]
+            for _ in range(4)]
+    tokens, wanted = [], rng.choice([1, 2, 5, 20, 70, 200]) * BLOCK
+    while len(tokens) < wanted:
+        draw = rng.random()
+        if draw < 0.4:
+            tokens += rng.choice(pool)
+        elif draw < 0.6:
+            tokens += [4] + [rng.randrange(10, 13) for _ in range(rng.randrange(0, 40))]
+        else:
+            tokens += [rng.randrange(10, 13) for _ in range(rng.randrange(1, 40))]
+    return tokens[: rng.randrange(1, len(tokens) + 1)]
+
+
+def _expected_keys(prompt: list[int], block_size: int, shareable: bool) -> list:
+    """Per block, what its id must stand for: (block size, its span's tokens, its place),
+    None for no id (outside spans, the last marker's segment, not shareable)."""
+    firsts = prompt[::block_size]
+    keys = [None] * len(firsts)
+    marked = [b for b, first in enumerate(firsts) if first in P.markers]
+    for start, end in zip(marked[:-1], marked[1:]):
+        if shareable and firsts[start] == P.ssep_token_id:
+            span = tuple(prompt[start * block_size: end * block_size])
+            for block in range(start, end):
+                keys[block] = (block_size, span, block - start)
+    return keys
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_adds_removes_and_gathers_match_the_prompts(seed):
+    """Rows across the tables' growth steps, prompts replaced by longer and shorter ones,
+    two block sizes, ids asked for or not, gathers narrower and wider than the prompts:
+    every gather shows the rows' current prompts, and ids and spans match one to one."""
+    rng = random.Random(seed)
+    prompts, running = HostPrompts(P), {}
+    keys_of: dict = {}  # id -> what it stands for, over the whole run (ids are never reused)
+    for _ in range(60):
+        row = rng.choice([0, 1, 2, 255, 256, 300, 511, 700, rng.randrange(20)])
+        draw = rng.random()
+        if draw < 0.5:
+            running[row] = (_random_prompt(rng), rng.random() < 0.8)
+            prompts.add(row, *running[row])
+        elif draw < 0.6 and row in running:
+            prompts.remove(row)
+            del running[row]
+        elif running:
+            rows = rng.sample(sorted(running), rng.randrange(1, len(running) + 1))
+            block_size, with_ids = rng.choice([BLOCK, 2 * BLOCK]), rng.random() < 0.6
+            longest = max(-(-len(running[r][0]) // block_size) for r in rows)
+            blocks = max(1, longest + rng.choice([-3, 0, 5, 70]))
+            firsts, ids, lengths = prompts.blocks(np.array(rows), block_size, blocks, with_ids)
+            ids_of: dict = {}  # in one gather, one span's block has one id
+            for i, row_id in enumerate(rows):
+                prompt, shareable = running[row_id]
+                assert firsts[i].tolist() == (prompt[::block_size] + [-1] * blocks)[:blocks]
+                assert lengths[i] == len(prompt)
+                if not with_ids:
+                    continue
+                keys = _expected_keys(prompt, block_size, shareable) + [None] * blocks
+                for block in range(blocks):
+                    found, key = int(ids[i, block]), keys[block]
+                    if key is None:
+                        assert found == -1, (row_id, block)
+                    else:
+                        assert ids_of.setdefault(key, found) == found  # same span, same id
+                        assert keys_of.setdefault(found, key) == key  # same id, same span
+    for row in list(running):
+        prompts.remove(row)
+    assert len(prompts.span_ids) == 0

@@ -9,9 +9,9 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_host_layout.py"
 
 
 def test_a_small_batch_reports_the_add_and_layout_times():
-    done = subprocess.run([sys.executable, str(TOOL), "--rows", "16", "--new", "4",
+    done = subprocess.run([sys.executable, str(TOOL), "--rows", "32", "--new", "16",
                            "--steps", "3", "--pool", "20"],
                           capture_output=True, text=True, timeout=300, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["rows"] == 16 and result["new_per_step"] == 4 and result["steps"] == 3
+    assert result["rows"] == 32 and result["new_per_step"] == 16 and result["steps"] == 3
     assert result["median_add_ms"] > 0 and result["median_layout_ms"] > 0
