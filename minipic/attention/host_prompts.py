@@ -42,17 +42,25 @@ class _BlockTable:
         rows, width = self.firsts.shape
         if row < rows and blocks <= width:
             return
-        # rows are bounded by max_num_seqs; widths grow by half at least, so prompts that
-        # lengthen a few blocks at a time copy the table a few times, not once each
-        shape = (max(rows, -(-(row + 1) // ROW_STEP) * ROW_STEP),
-                 width if blocks <= width
+        # widths grow by half at least, so prompts that lengthen a few blocks at a time
+        # copy the table a few times, not once each
+        shape = (max(rows, _rows_for(row)), width if blocks <= width
                  else max(-(-blocks // BLOCK_STEP) * BLOCK_STEP, width * 3 // 2))
-        for name, empty in (("firsts", -1), ("ids", NO_ID)):
-            old = getattr(self, name)
-            grown = np.full(shape, empty, dtype=old.dtype)
-            grown[:rows, :width] = old
-            setattr(self, name, grown)
-        self.filled = np.concatenate([self.filled, np.zeros(shape[0] - rows, dtype=np.int64)])
+        self.firsts = _grown(self.firsts, shape, -1)
+        self.ids = _grown(self.ids, shape, NO_ID)
+        self.filled = _grown(self.filled, shape[:1], 0)
+
+
+def _rows_for(row: int) -> int:
+    """How many rows a table holding `row` has (rows are bounded by max_num_seqs)."""
+    return -(-(row + 1) // ROW_STEP) * ROW_STEP
+
+
+def _grown(table: np.ndarray, shape: tuple[int, ...], empty: int) -> np.ndarray:
+    """`table` in the larger `shape`, `empty` in the new entries."""
+    grown = np.full(shape, empty, dtype=table.dtype)
+    grown[tuple(slice(0, n) for n in table.shape)] = table
+    return grown
 
 
 def _gather(table: np.ndarray, rows: np.ndarray, blocks: int, empty: int) -> np.ndarray:
@@ -92,8 +100,7 @@ class HostPrompts:
         self._prompts[row] = list(prompt)
         self._shareable[row] = shareable
         if row >= self._lengths.size:
-            self._lengths = np.concatenate(
-                [self._lengths, np.zeros(row + 1 + self._lengths.size, dtype=np.int64)])
+            self._lengths = _grown(self._lengths, (_rows_for(row),), 0)
         self._lengths[row] = len(self._prompts[row])
         self.generation += 1  # layouts built from the rows before are stale
 
