@@ -220,14 +220,15 @@ async def table1_child(spec: dict) -> dict:
     warm = workload_of(spec, run.repeat_rate, spec["warmup"], spec["seed"] + 10_000)
     args, attention = engine_args(spec, config, run.max_num_seqs)
     if spec.get("profile_dir"):
-        args["profiler_config"] = step_profiler(spec["profile_dir"], run.name)
+        args["profiler_config"] = step_profiler(spec["profile_dir"], run.name,
+                                                spec["profile_steps"])
     backend = AsyncLLMBackend.start(**args)
     protocol = SpanProtocol.from_dict(spec["markers"])
     strategy = STRATEGIES[config.strategy]
     try:
         await strategy(backend, protocol, warm, run.max_num_seqs, spec["batch_size"])
         if spec.get("profile_dir"):
-            await backend.engine.start_profile()  # records PROFILED_STEPS, then stops itself
+            await backend.engine.start_profile()  # records its steps, then stops itself
         start, cpu_began = time.perf_counter(), cpu_seconds()
         with sample_window(run.name):
             facts = await strategy(backend, protocol, load, run.max_num_seqs, spec["batch_size"])
@@ -241,21 +242,41 @@ async def table1_child(spec: dict) -> dict:
             "repeat_window": spec.get("repeat_window"), "seconds": seconds,
             "samples_per_s": spec["samples"] / seconds,
             "profiled": bool(spec.get("profile_dir")),
+            "profile_steps": spec["profile_steps"] if spec.get("profile_dir") else None,
             "stack_sampled": bool(os.environ.get(ENV_FOLDER)), **facts}
 
 
 # Steps of the measured pass under the torch profiler with --profile-dir: a few steady-state
-# steps, after the first ones (which still fill the batch), so traces stay small.
-PROFILE_SKIP_STEPS, PROFILED_STEPS = 20, 5
+# steps, after the first ones (which still fill the batch), so traces stay small. A short
+# pass (ISPS at a high repeat rate: some 30 engine steps, empty ones counted) needs fewer
+# skipped: --profile-steps.
+PROFILE_STEPS = "20:5"  # skipped:traced
 
 
-def step_profiler(profile_dir: str, run_name: str):
+def step_profiler(profile_dir: str, run_name: str, steps: str):
     from vllm.config import ProfilerConfig
 
+    skipped, traced = parse_profile_steps(steps)
     return ProfilerConfig(profiler="torch",
                           torch_profiler_dir=str(Path(profile_dir) / slug(run_name)),
                           torch_profiler_with_stack=False, ignore_frontend=True,
-                          delay_iterations=PROFILE_SKIP_STEPS, max_iterations=PROFILED_STEPS)
+                          delay_iterations=skipped, max_iterations=traced)
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """'20:5' -> (20, 5): engine steps skipped, then traced."""
+    try:
+        skipped, traced = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want SKIPPED:TRACED steps, e.g. 8:10, got {text!r}")
+    if skipped < 0 or traced < 1:
+        raise argparse.ArgumentTypeError(f"want SKIPPED >= 0 and TRACED >= 1, got {text!r}")
+    return skipped, traced
+
+
+def profile_steps_arg(text: str) -> str:
+    parse_profile_steps(text)
+    return text
 
 
 async def populate_child(spec: dict) -> dict:
@@ -499,7 +520,8 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
         window = rows[0].get("repeat_window")
         where += f", repeats from the {window} newest documents" if window else ""
         if any(r.get("profiled") for r in rows):
-            where += f", {PROFILED_STEPS} steps of each under the torch profiler"
+            skipped, traced = parse_profile_steps(rows[0]["profile_steps"])
+            where += f", {traced} steps of each under the torch profiler (after {skipped})"
         if any(r.get("stack_sampled") for r in rows):
             where += ", every thread stack-sampled (slower)"
         lines += ["", f"### repeat rate {rate} (measured {rows[0]['measured_repeat_rate']:.3f})"
@@ -692,6 +714,9 @@ def parse_args() -> argparse.Namespace:
                     help="trace a few steady-state steps of each measured pass with the torch "
                          "profiler (one folder per configuration; tools/trace_summary.py reads "
                          "them); the rows are then marked as profiled")
+    t1.add_argument("--profile-steps", default=PROFILE_STEPS, type=profile_steps_arg,
+                    help="engine steps of the measured pass skipped, then traced "
+                         f"(default {PROFILE_STEPS})")
     t1.add_argument("--stack-samples", type=Path,
                     help="sample every thread of every process during each measured pass "
                          "(minipic.devtools.stack_sampler) into this folder, one window per "
@@ -773,7 +798,8 @@ def main() -> None:
                     recipe=getattr(args, "recipe", None),
                     minipic_options=minipic_option_pairs(args.minipic_option),
                     profile_dir=str(args.profile_dir.resolve())
-                    if getattr(args, "profile_dir", None) else None)
+                    if getattr(args, "profile_dir", None) else None,
+                    profile_steps=getattr(args, "profile_steps", PROFILE_STEPS))
         args.func(args, base, Path(tmp))
 
 
