@@ -4,8 +4,10 @@
 
 For each trace file (`*.json` or `*.json.gz`, Chrome trace format): the wall span of GPU work,
 busy GPU time, gaps between kernels, copies (host <-> device), and the kernels and CPU ops
-that took longest in total. Traces are large; a summary is small enough to keep with the
-results (docs/connector.md quotes these).
+that took longest in total. `--steps` adds a table of the engine steps one by one (vLLM's
+`execute_context_<requests>(<tokens>)` ranges on the GPU): a step's span, how much of it
+the GPU was busy, and its time by kernel class, minipic's turn and merge apart. Traces are
+large; a summary is small enough to keep with the results (docs/connector.md quotes these).
 """
 
 from __future__ import annotations
@@ -72,7 +74,33 @@ def by_class(gpu: list[dict]) -> list[str]:
         for cls, ms in sorted(total.items(), key=lambda kv: -kv[1])]
 
 
-def summarise(path: Path, n: int) -> str:
+# minipic's own kernels around FlashAttention (minipic/attention/segment_kernels.py)
+MINIPIC_KERNELS = ("_turn_rows_kernel", "_merge_rows_kernel")
+STEP_PREFIX = "execute_context_"
+
+
+def step_table(gpu: list[dict], steps: list[dict]) -> list[str]:
+    """One row per engine step, in order: what the GPU did inside the step's GPU range."""
+    gpu = sorted(gpu, key=lambda e: e["ts"])
+    classes = [cls for cls, _ in KERNEL_CLASSES] + ["other"]
+    lines = ["| step (requests, tokens) | span ms | busy ms | " + " | ".join(classes)
+             + " | turn + merge |", "| --- " * (len(classes) + 4) + "|"]
+    for step in sorted(steps, key=lambda e: e["ts"]):
+        start, stop = step["ts"], step["ts"] + step["dur"]
+        inside = [e for e in gpu if start <= e["ts"] < stop]
+        total: dict[str, float] = collections.defaultdict(float)
+        for e in inside:
+            total[kernel_class(e)] += e["dur"]
+        ours = sum(e["dur"] for e in inside if e["name"] in MINIPIC_KERNELS)
+        total["other"] -= ours  # minipic's kernels are "other" by name: shown apart
+        name = step["name"][len(STEP_PREFIX):].split("_generation")[0]
+        lines.append(f"| {name} | {step['dur'] / 1e3:.1f} | {busy_time(inside) / 1e3:.1f} | "
+                     + " | ".join(f"{total[cls] / 1e3:.1f}" for cls in classes)
+                     + f" | {ours / 1e3:.1f} |")
+    return lines
+
+
+def summarise(path: Path, n: int, steps: bool = False) -> str:
     events = load_events(path)
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
@@ -90,6 +118,11 @@ def summarise(path: Path, n: int) -> str:
     lines += [f"| {name[:90]} | {dur / 1e3:.3f} | {calls} |" for name, dur, calls in top(gpu, n)]
     lines += ["", "| CPU op / annotation | total ms | calls |", "| --- | --- | --- |"]
     lines += [f"| {name[:90]} | {dur / 1e3:.3f} | {calls} |" for name, dur, calls in top(cpu, n)]
+    gpu_steps = [e for e in events if e.get("cat") == "gpu_user_annotation"
+                 and e["name"].startswith(STEP_PREFIX)]
+    if steps and gpu_steps:
+        lines += ["", "Engine steps, in order (GPU time inside each step's GPU range, ms):", ""]
+        lines += step_table(gpu, gpu_steps)
     python = [e for e in events if e.get("cat") == "python_function"]
     if python:  # traces taken with stacks (bench_ttft.py --profile-stack)
         lines += ["", "| Python function (inclusive: callers count their callees) | total ms | "
@@ -103,12 +136,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("dir", type=Path)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--steps", action="store_true",
+                        help="a table of the engine steps one by one")
     args = parser.parse_args()
     paths = sorted(p for p in args.dir.rglob("*") if p.name.endswith((".json", ".json.gz")))
     if not paths:
         raise SystemExit(f"no trace files under {args.dir}")
     for path in paths:
-        print(summarise(path, args.top))
+        print(summarise(path, args.top, args.steps))
 
 
 if __name__ == "__main__":
