@@ -156,6 +156,32 @@ def test_isps_answers_while_requests_are_still_arriving():
     assert answered[0][1] < arrivals[1]  # no barrier: the first answer beats the second arrival
 
 
+def test_isps_sends_a_span_before_it_has_read_a_long_list():
+    """Requests given as one list (as a batch job gives them) are read while the slots
+    send: the first span prefill leaves before the last request is read, so the engine
+    is not idle while the client reads thousands of requests."""
+    read = 0
+
+    def reading():
+        nonlocal read
+        for n in range(200):
+            read += 1
+            yield request([n % len(DOCS), (n + 1) % len(DOCS)], n)
+
+    class Recording(FakeBackend):
+        read_at_first_call = None
+
+        async def complete(self, prompt, **kwargs):
+            if self.read_at_first_call is None:
+                self.read_at_first_call = read
+            return await super().complete(prompt, **kwargs)
+
+    backend = Recording(delay_s=0.001)
+    results = run(isps(backend, 8), reading())
+    assert len(results) == 200 and all(r.ok for r in results)
+    assert backend.read_at_first_call < 200
+
+
 def test_a_failing_input_stream_ends_the_run():
     async def broken():
         yield WORKLOAD[0]
