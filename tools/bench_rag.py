@@ -268,7 +268,8 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     try:
         skipped, traced = (int(part) for part in text.split(":"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"want SKIPPED:TRACED steps, e.g. 8:10, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"want SKIPPED:TRACED steps, e.g. 8:10, got {text!r}") from None
     if skipped < 0 or traced < 1:
         raise argparse.ArgumentTypeError(f"want SKIPPED >= 0 and TRACED >= 1, got {text!r}")
     return skipped, traced

@@ -6,7 +6,7 @@ For each trace file (`*.json` or `*.json.gz`, Chrome trace format): the wall spa
 busy GPU time, gaps between kernels, copies (host <-> device), and the kernels and CPU ops
 that took longest in total. `--steps` adds a table of the engine steps one by one (vLLM's
 `execute_context_<requests>(<tokens>)` ranges on the GPU): a step's span, how much of it
-the GPU was busy, and its time by kernel class, minipic's turn and merge apart. Traces are
+the GPU was busy, and its time by kernel class (minipic's turn and merge one of them). Traces are
 large; a summary is small enough to keep with the results (docs/connector.md quotes these).
 """
 
@@ -23,6 +23,8 @@ GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 # Kernel classes by name (first match wins, so the cache writes, whose names say "flash",
 # and FA3, a "cutlass" kernel, are not counted as GEMMs): where a step's GPU time goes.
 KERNEL_CLASSES = [
+    # minipic's own kernels around FlashAttention (minipic/attention/segment_kernels.py)
+    ("turn + merge", ("_turn_rows_kernel", "_merge_rows_kernel")),
     ("KV cache write", ("reshape_and_cache", "cache_kernel")),
     ("attention", ("attention", "attn", "flash", "_reduce_segments", "_reduce_splits")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
@@ -74,29 +76,25 @@ def by_class(gpu: list[dict]) -> list[str]:
         for cls, ms in sorted(total.items(), key=lambda kv: -kv[1])]
 
 
-# minipic's own kernels around FlashAttention (minipic/attention/segment_kernels.py)
-MINIPIC_KERNELS = ("_turn_rows_kernel", "_merge_rows_kernel")
 STEP_PREFIX = "execute_context_"
 
 
 def step_table(gpu: list[dict], steps: list[dict]) -> list[str]:
-    """One row per engine step, in order: what the GPU did inside the step's GPU range."""
+    """One row per engine step, in order: what the GPU did inside the step's GPU range
+    (the classes sum to the busy time where no two kernels overlap)."""
     gpu = sorted(gpu, key=lambda e: e["ts"])
-    classes = [cls for cls, _ in KERNEL_CLASSES] + ["other"]
-    lines = ["| step (requests, tokens) | span ms | busy ms | " + " | ".join(classes)
-             + " | turn + merge |", "| --- " * (len(classes) + 4) + "|"]
+    classes = [cls for cls, _ in KERNEL_CLASSES] + ["other", "copy / memset"]
+    lines = ["| step (requests, tokens) | span ms | busy ms | " + " | ".join(classes) + " |",
+             "| --- " * (len(classes) + 3) + "|"]
     for step in sorted(steps, key=lambda e: e["ts"]):
         start, stop = step["ts"], step["ts"] + step["dur"]
         inside = [e for e in gpu if start <= e["ts"] < stop]
         total: dict[str, float] = collections.defaultdict(float)
         for e in inside:
             total[kernel_class(e)] += e["dur"]
-        ours = sum(e["dur"] for e in inside if e["name"] in MINIPIC_KERNELS)
-        total["other"] -= ours  # minipic's kernels are "other" by name: shown apart
         name = step["name"][len(STEP_PREFIX):].split("_generation")[0]
         lines.append(f"| {name} | {step['dur'] / 1e3:.1f} | {busy_time(inside) / 1e3:.1f} | "
-                     + " | ".join(f"{total[cls] / 1e3:.1f}" for cls in classes)
-                     + f" | {ours / 1e3:.1f} |")
+                     + " | ".join(f"{total[cls] / 1e3:.1f}" for cls in classes) + " |")
     return lines
 
 

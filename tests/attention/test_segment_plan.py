@@ -310,7 +310,6 @@ def test_new_keys_are_turned_and_written_before_the_rows_read_them():
     assert relative_error(out, reference_attention(case)) < 1e-5
 
 
-
 @pytest.mark.parametrize("budget", [JOINT_OWN_KEYS, 0])
 @pytest.mark.parametrize("tokens", [16, 17, 18, 19])
 def test_every_moved_table_starts_16_byte_aligned(budget, tokens, monkeypatch):
@@ -323,12 +322,15 @@ def test_every_moved_table_starts_16_byte_aligned(budget, tokens, monkeypatch):
                      markers=["-" + "S---" * 10 + "P--", "-" + "S---" * 2 + "P--"])
     plan = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
     moved = plan.to("cpu")
-    tables = {"merge_starts": moved.merge_starts, "merge_entries": moved.merge_entries}
-    for which in ("joint",) if moved.joint is not None else ("own", "earlier"):
-        tables.update({f"{which}.{name}": t
-                       for name, t in getattr(moved, which).tensors().items()})
+    tables, host = plan_tables(moved), plan_tables(plan)
     assert {name: t.data_ptr() % 16 for name, t in tables.items()} == dict.fromkeys(tables, 0)
-    host = {"merge_starts": plan.merge_starts, "merge_entries": plan.merge_entries}
-    for which in ("joint",) if plan.joint is not None else ("own", "earlier"):
-        host.update({f"{which}.{name}": t for name, t in getattr(plan, which).tensors().items()})
     assert all(torch.equal(tables[name], host[name]) for name in tables)
+
+
+def plan_tables(plan) -> dict:
+    """The tables a plan moves to the device, by name (SegmentPlan.to)."""
+    tables = {"merge_starts": plan.merge_starts, "merge_entries": plan.merge_entries}
+    for which in ("joint",) if plan.joint is not None else ("own", "earlier"):
+        tables.update({f"{which}.{name}": t
+                       for name, t in getattr(plan, which).tensors().items()})
+    return tables

@@ -1,6 +1,6 @@
 """tools/trace_summary.py on a small Chrome trace written as vLLM's profiler writes it
 (gzip JSON): the totals, and with --steps one row per engine step, minipic's turn and
-merge apart from the other kernels."""
+merge a class of their own."""
 
 import gzip
 import json
@@ -31,18 +31,20 @@ def test_steps_table_splits_each_step_by_kernel_class(tmp_path):
         kernel("void cutlass::device_kernel<flash::FlashAttnFwdSm90>", 2700, 300),
         kernel("_merge_rows_kernel", 3000, 250),
         kernel("void vllm::act_and_mul_kernel", 3250, 50),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 3300, "dur": 100,
+         "tid": 7},
     ]
     with gzip.open(tmp_path / "rank0.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     done = subprocess.run([sys.executable, str(TOOL), str(tmp_path), "--steps"],
                           capture_output=True, text=True, timeout=120, check=True)
     out = done.stdout
-    assert "GPU: 3.30 ms from first to last GPU event, 2.00 ms busy" in out
-    header = "| step (requests, tokens) | span ms | busy ms | KV cache write | attention | GEMM "
+    assert "GPU: 3.40 ms from first to last GPU event, 2.10 ms busy" in out
+    header = ("| step (requests, tokens) | span ms | busy ms | turn + merge | KV cache write | "
+              "attention | GEMM | other | copy / memset |")
     assert header in out
-    # span, busy, KV cache write, attention, GEMM, other (turn and merge taken out), ours
-    assert "| 2(64) | 1.0 | 0.7 | 0.0 | 0.1 | 0.6 | 0.0 | 0.0 |" in out
-    assert "| 9(32) | 3.0 | 1.3 | 0.0 | 0.3 | 0.5 | 0.1 | 0.5 |" in out
+    assert "| 2(64) | 1.0 | 0.7 | 0.0 | 0.0 | 0.1 | 0.6 | 0.0 | 0.0 |" in out
+    assert "| 9(32) | 3.0 | 1.4 | 0.5 | 0.0 | 0.3 | 0.5 | 0.1 | 0.1 |" in out
     plain = subprocess.run([sys.executable, str(TOOL), str(tmp_path)], capture_output=True,
                            text=True, timeout=120, check=True).stdout
     assert "Engine steps" not in plain

@@ -75,6 +75,7 @@ class InterleavedScheduler:
 
 @dataclasses.dataclass(eq=False)
 class _Span:
+    key: tuple[int, ...]  # the tokens: the run's name for the span
     tokens: list[int]
     outcome: SpanPrefill | BaseException | None = None  # None: not done yet
     waiting: list["_Waiting"] = dataclasses.field(default_factory=list)
@@ -145,10 +146,11 @@ class _Run:
         # The tokens themselves are the key: hashing them (span_key) cost 20 us a document
         # slot, and every slot of every request comes here.
         key = tuple(tokens)
-        if key not in self.spans:
-            span = self.spans[key] = _Span(tokens)
+        span = self.spans.get(key)
+        if span is None:
+            span = self.spans[key] = _Span(key, tokens)
             self.submit(SPAN_PREFILL, lambda: self.prefill(span))
-        return self.spans[key]
+        return span
 
     async def prefill(self, span: _Span) -> None:
         try:
@@ -162,7 +164,7 @@ class _Run:
         span.waiting.clear()
         if isinstance(span.outcome, BaseException):
             # Fail only the requests that waited; a later request retries the span.
-            self.spans.pop(tuple(span.tokens), None)
+            self.spans.pop(span.key, None)
 
     def release(self, waiting: _Waiting) -> None:
         """All spans are done: queue the final prompt, or fail the request."""
