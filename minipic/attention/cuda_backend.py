@@ -62,6 +62,7 @@ from minipic.attention.plan_groups import copy_limit, earlier_copies, group_plan
 from minipic.attention.segment_attention import (GroupedBatch, NewKeys, grouped_attention,
                                                  prepare, prepare_groups, segment_attention,
                                                  vllm_flash_rows, with_block_table)
+from minipic.attention.segment_kernels import compile_variants
 from minipic.attention.segment_plan import segment_plan
 from minipic.attention.span_layout import current_layout, key_turn_backs, token_shifts
 from minipic.attention.triton_kernel import (
@@ -119,6 +120,11 @@ class SpanBatchBuilder:
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
         self.full_graphs = (self.use_flash_rows
                             and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
+        if self.use_flash_rows:
+            rope = current_rope()
+            compile_variants(self.num_heads_q, self.num_heads_kv, self.headdim,
+                             vllm_config.model_config.dtype, rope.rotary_dim,
+                             rope.is_neox_style, torch.device(device))
         # Past this many query copies a span batch goes in groups of query tokens
         # (plan_groups.py): 500 short tasks over ten documents each, or one 4k-token task
         # chunk over 40 documents, copy 160k.

@@ -14,6 +14,8 @@ it (`RepeatedLaunch`), as Triton's binding is most of a launch's host time.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -251,6 +253,32 @@ def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tenso
            (output, own_out, own_lse, earlier_out, earlier_lse),
            (starts, entries, earlier_offset), launches, "merge")
     return output
+
+
+@functools.cache  # once per process and shape: every KV cache group's builder asks
+def compile_variants(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                     rotary_dim: int, is_neox_style: bool, device: torch.device) -> None:
+    """Launch, on a few rows of zeros, each variant of the turn and the merge that an eager
+    span batch launches: Triton compiles them here, at start-up, not in the first batch
+    that needs one (about a second each on a fresh machine, every request of that step
+    waiting). The variants: the queries turned with new keys and without, the new keys
+    turned alone, and the merge's two launch shapes (merge_launch_shape). A full decode
+    graph's own variant (HAS_COUNT) compiles when vLLM captures the graphs."""
+    def zeros(*shape, dtype=dtype):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    query, key, index = zeros(2, num_heads, head_size), zeros(2, num_kv_heads, head_size), \
+        zeros(2, dtype=torch.int64)  # the plan's query_index is int64 (SegmentPlan.to)
+    cos, sin = zeros(2, rotary_dim // 2, dtype=torch.float32), \
+        zeros(2, rotary_dim // 2, dtype=torch.float32)
+    turn_rows_and_keys(query, index, cos, sin, rotary_dim, is_neox_style, key, cos, sin)
+    turn_rows(query, index, cos, sin, rotary_dim, is_neox_style)
+    turn_rows(key, None, cos, sin, rotary_dim, is_neox_style)
+    for tokens in (1, -(-MERGE_SPLIT_HEADS_BELOW // num_heads)):  # each launch shape
+        out, lse = zeros(tokens, num_heads, head_size), zeros(num_heads, tokens,
+                                                              dtype=torch.float32)
+        merge_rows(out, out.clone(), lse, out.clone(), lse.clone(),
+                   zeros(tokens + 1, dtype=torch.int32), zeros(1, dtype=torch.int32))
 
 
 def _launcher_takes_constexprs() -> bool:

@@ -188,6 +188,32 @@ def _merge_error(counts, heads: int, d: int, dtype, generator) -> float:
     return relative_error(by_kernel, by_torch)
 
 
+def _start_up_variants(kwargs: dict) -> list:
+    """The (kernel, constexprs) pairs compile_variants launches for a case's shapes, the
+    merge's split made to fall at a few tokens (the interpreter runs each program in
+    Python)."""
+    import torch
+
+    from minipic.attention import segment_kernels
+
+    seen = []
+    original, split = segment_kernels.launch, segment_kernels.MERGE_SPLIT_HEADS_BELOW
+
+    def recording(kernel, grid, bind, tensors, fixed, launches, name):
+        seen.append([name, dict(sorted(bind(*tensors)[1].items()))])
+        return original(kernel, grid, bind, tensors, fixed, launches, name)
+
+    segment_kernels.launch, segment_kernels.MERGE_SPLIT_HEADS_BELOW = recording, 8
+    try:
+        segment_kernels.compile_variants(
+            kwargs["num_q_heads"], kwargs["num_kv_heads"], kwargs["head_size"],
+            getattr(torch, kwargs["dtype"]), kwargs.get("rotary_dim", kwargs["head_size"]),
+            kwargs.get("is_neox", True), torch.device("cpu"))
+    finally:
+        segment_kernels.launch, segment_kernels.MERGE_SPLIT_HEADS_BELOW = original, split
+    return seen
+
+
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict:
     if importlib.util.find_spec("triton") is None:
@@ -212,12 +238,34 @@ def test_kernels_match_torch(interpreter_errors, name, check):
     assert err[check] < TOLERANCE[CASES[name]["dtype"]], err
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_start_up_compiles_each_variant_a_span_batch_launches(interpreter_errors, name):
+    """compile_variants (run when a FlashAttention span builder starts) launches the turn
+    as segment_attention._turned does, with new keys and without, and for the new keys
+    alone, and the merge in both launch shapes (merge_launch_shape)."""
+    seen = interpreter_errors["variants"][name]
+    assert isinstance(seen, list), seen
+    case = CASES[name]
+    heads, kv_heads = case["num_q_heads"], case["num_kv_heads"]
+    turns = {(c["HEADS"], c["K_HEADS"], c["HAS_INDEX"], c["HAS_KEYS"], c["HAS_COUNT"])
+             for kind, c in seen if kind == "turn"}
+    assert turns == {(heads, kv_heads, True, True, False),  # queries and new keys
+                     (heads, heads, True, False, False),  # queries alone
+                     (kv_heads, kv_heads, False, False, False)}  # new keys alone
+    merges = {(c["HEADS_BLOCK"], c["ROWS_BLOCK"]) for kind, c in seen if kind == "merge"}
+    assert merges == {(1, 16), (1 << (heads - 1).bit_length(), 1)}
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    results: dict = {}
+    results: dict = {"variants": {}}
     for case_name in CASES:
         try:
             results[case_name] = _errors(case_name)
         except Exception as exc:  # report, so the other case still runs
             results[case_name] = f"{type(exc).__name__}: {exc}"
+        try:
+            results["variants"][case_name] = _start_up_variants(CASES[case_name])
+        except Exception as exc:
+            results["variants"][case_name] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(results))

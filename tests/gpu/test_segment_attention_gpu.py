@@ -280,3 +280,35 @@ def test_batches_of_other_sizes_reuse_the_compiled_kernels():
         assert relative_error(run_rows(case), reference_attention(case)) < TOLERANCE[torch.bfloat16]
         variants = variants or [compiled_variants(k) for k in kernels]
         assert [compiled_variants(k) for k in kernels] == variants, tokens
+
+
+def test_start_up_compiles_what_span_batches_launch():
+    """After compile_variants (what a FlashAttention span builder runs as the engine
+    starts) the turn and the merge of span batches compile nothing more: hits, a long
+    task chunk (the merge's other launch shape), new keys turned with the queries and
+    alone. The kernels' caches start empty."""
+    from minipic.attention import segment_kernels
+    from minipic.attention.rotation import Rotation
+
+    kernels = (segment_kernels._turn_rows_kernel, segment_kernels._merge_rows_kernel)
+    for kernel in kernels:
+        kernel.device_caches.clear()
+    segment_kernels.compile_variants.__wrapped__(  # past functools.cache: the test's call
+        32, 8, 128, torch.bfloat16, 128, True, torch.device("cuda"))
+    variants = [compiled_variants(k) for k in kernels]
+    for name in ("hit_40_docs", "long_task_after_spans", "epic_hit_and_decode"):
+        run_rows(build(name, torch.bfloat16))
+    case = build("spans_mixed", torch.bfloat16)
+    new_keys, written = case.pending_new_keys(
+        torch.randint(0, 500, (case.q.shape[0],), device="cuda"))
+    flash = functools.partial(vllm_flash_rows, scale=case.scale, fa_version=3)
+    segment_attention(case.q, case.k_cache, case.v_cache, torch.empty_like(case.q),
+                      rows_batch(case), flash, new_keys)
+    assert written == [case.q.shape[0]]
+    qkv = torch.randn(300, (32 + 2 * 8) * 128, device="cuda").to(torch.bfloat16)
+    key = qkv[:, 32 * 128: 40 * 128].view(-1, 8, 128)  # the model's keys, strided
+    turn = Rotation.back(torch.arange(300, device="cuda"), case.cos_sin, case.rotary_dim,
+                         case.is_neox)
+    segment_kernels.turn_rows(key, None, turn.cos, turn.sin, case.rotary_dim, case.is_neox)
+    torch.cuda.synchronize()
+    assert [compiled_variants(k) for k in kernels] == variants
