@@ -120,7 +120,9 @@ class SpanBatchBuilder:
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
         self.full_graphs = (self.use_flash_rows
                             and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
-        if self.use_flash_rows:
+        from minipic.config import mask_markers
+
+        if self.use_flash_rows and not mask_markers(vllm_config):  # else the span kernel's
             rope = current_rope()
             compile_variants(self.num_heads_q, self.num_heads_kv, self.headdim,
                              vllm_config.model_config.dtype, rope.rotary_dim,

@@ -230,14 +230,17 @@ def merge_launch_shape(tokens: int, heads: int) -> tuple[int, int]:
 def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
                earlier_out: torch.Tensor, earlier_lse: torch.Tensor, starts: torch.Tensor,
                entries: torch.Tensor, launches: dict | None = None,
-               earlier_offset: int = 0) -> torch.Tensor:
+               earlier_offset: int = 0, launch_shape: tuple[int, int] | None = None
+               ) -> torch.Tensor:
     """output [n, heads, d]: each token's own row merged with its earlier rows
     entries[starts[t]:starts[t + 1]] (segment_plan.SegmentPlan.merge_starts), by LSE,
     read at earlier_offset + entry (one call's output holding both kinds of rows, the
-    earlier after the own: no views to make). `launches`: as for turn_rows_and_keys."""
+    earlier after the own: no views to make). `launches`: as for turn_rows_and_keys.
+    `launch_shape`: merge_launch_shape's pair, chosen for n tokens unless given (both
+    shapes merge any batch alike)."""
     own_lse, earlier_lse = own_lse.float(), earlier_lse.float()
     n, heads, head_size = output.shape
-    heads_block, rows_block = merge_launch_shape(n, heads)
+    heads_block, rows_block = launch_shape or merge_launch_shape(n, heads)
 
     def bind(output, own_out, own_lse, earlier_out, earlier_lse):
         assert own_lse.stride(1) == 1 and earlier_lse.stride(1) == 1
@@ -259,26 +262,30 @@ def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tenso
 def compile_variants(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
                      rotary_dim: int, is_neox_style: bool, device: torch.device) -> None:
     """Launch, on a few rows of zeros, each variant of the turn and the merge that an eager
-    span batch launches: Triton compiles them here, at start-up, not in the first batch
-    that needs one (about a second each on a fresh machine, every request of that step
-    waiting). The variants: the queries turned with new keys and without, the new keys
-    turned alone, and the merge's two launch shapes (merge_launch_shape). A full decode
-    graph's own variant (HAS_COUNT) compiles when vLLM captures the graphs."""
+    span batch on FlashAttention rows launches: Triton compiles them here, at start-up, not
+    in the first batch that needs one (about a second each on a fresh machine, every
+    request of that step waiting). The variants: the queries turned with new keys and
+    without, the new keys turned alone, and the merge's two launch shapes. The queries
+    and keys are views of one fused QKV row, as the model hands them (Triton specializes
+    on their strides). A full decode graph's own variant (HAS_COUNT) compiles when vLLM
+    captures the graphs."""
     def zeros(*shape, dtype=dtype):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    query, key, index = zeros(2, num_heads, head_size), zeros(2, num_kv_heads, head_size), \
-        zeros(2, dtype=torch.int64)  # the plan's query_index is int64 (SegmentPlan.to)
-    cos, sin = zeros(2, rotary_dim // 2, dtype=torch.float32), \
-        zeros(2, rotary_dim // 2, dtype=torch.float32)
+    q_width, k_width = num_heads * head_size, num_kv_heads * head_size
+    qkv = zeros(2, q_width + 2 * k_width)
+    query = qkv[:, :q_width].view(2, num_heads, head_size)
+    key = qkv[:, q_width: q_width + k_width].view(2, num_kv_heads, head_size)
+    index = zeros(2, dtype=torch.int64)  # the plan's query_index is int64 (SegmentPlan.to)
+    cos, sin = (zeros(2, rotary_dim // 2, dtype=torch.float32) for _ in range(2))
     turn_rows_and_keys(query, index, cos, sin, rotary_dim, is_neox_style, key, cos, sin)
     turn_rows(query, index, cos, sin, rotary_dim, is_neox_style)
     turn_rows(key, None, cos, sin, rotary_dim, is_neox_style)
-    for tokens in (1, -(-MERGE_SPLIT_HEADS_BELOW // num_heads)):  # each launch shape
-        out, lse = zeros(tokens, num_heads, head_size), zeros(num_heads, tokens,
-                                                              dtype=torch.float32)
+    out, lse = zeros(1, num_heads, head_size), zeros(num_heads, 1, dtype=torch.float32)
+    for tokens in (1, MERGE_SPLIT_HEADS_BELOW):  # the shape of a few tokens, then of many
         merge_rows(out, out.clone(), lse, out.clone(), lse.clone(),
-                   zeros(tokens + 1, dtype=torch.int32), zeros(1, dtype=torch.int32))
+                   zeros(2, dtype=torch.int32), zeros(1, dtype=torch.int32),
+                   launch_shape=merge_launch_shape(tokens, num_heads))
 
 
 def _launcher_takes_constexprs() -> bool:

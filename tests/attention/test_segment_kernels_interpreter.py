@@ -189,28 +189,26 @@ def _merge_error(counts, heads: int, d: int, dtype, generator) -> float:
 
 
 def _start_up_variants(kwargs: dict) -> list:
-    """The (kernel, constexprs) pairs compile_variants launches for a case's shapes, the
-    merge's split made to fall at a few tokens (the interpreter runs each program in
-    Python)."""
+    """The (kernel, constexprs) pairs compile_variants launches for a case's shapes."""
     import torch
 
     from minipic.attention import segment_kernels
 
     seen = []
-    original, split = segment_kernels.launch, segment_kernels.MERGE_SPLIT_HEADS_BELOW
+    original = segment_kernels.launch
 
     def recording(kernel, grid, bind, tensors, fixed, launches, name):
         seen.append([name, dict(sorted(bind(*tensors)[1].items()))])
         return original(kernel, grid, bind, tensors, fixed, launches, name)
 
-    segment_kernels.launch, segment_kernels.MERGE_SPLIT_HEADS_BELOW = recording, 8
+    segment_kernels.launch = recording
     try:
-        segment_kernels.compile_variants(
+        segment_kernels.compile_variants.__wrapped__(  # past functools.cache: each case's own
             kwargs["num_q_heads"], kwargs["num_kv_heads"], kwargs["head_size"],
             getattr(torch, kwargs["dtype"]), kwargs.get("rotary_dim", kwargs["head_size"]),
             kwargs.get("is_neox", True), torch.device("cpu"))
     finally:
-        segment_kernels.launch, segment_kernels.MERGE_SPLIT_HEADS_BELOW = original, split
+        segment_kernels.launch = original
     return seen
 
 
