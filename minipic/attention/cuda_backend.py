@@ -126,7 +126,8 @@ class SpanBatchBuilder:
             rope = current_rope()
             compile_variants(self.num_heads_q, self.num_heads_kv, self.headdim,
                              vllm_config.model_config.dtype, rope.rotary_dim,
-                             rope.is_neox_style, torch.device(device))
+                             rope.is_neox_style, torch.device(device),
+                             vllm_config.scheduler_config.max_num_batched_tokens)
         # Past this many query copies a span batch goes in groups of query tokens
         # (plan_groups.py): 500 short tasks over ten documents each, or one 4k-token task
         # chunk over 40 documents, copy 160k.

@@ -260,12 +260,14 @@ def merge_rows(output: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tenso
 
 @functools.cache  # once per process and shape: every KV cache group's builder asks
 def compile_variants(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                     rotary_dim: int, is_neox_style: bool, device: torch.device) -> None:
+                     rotary_dim: int, is_neox_style: bool, device: torch.device,
+                     max_tokens: int) -> None:
     """Launch, on a few rows of zeros, each variant of the turn and the merge that an eager
     span batch on FlashAttention rows launches: Triton compiles them here, at start-up, not
     in the first batch that needs one (about a second each on a fresh machine, every
     request of that step waiting). The variants: the queries turned with new keys and
-    without, the new keys turned alone, and the merge's two launch shapes. The queries
+    without, the new keys turned alone, and the merge's launch shapes for one to
+    `max_tokens` tokens (the engine's batch limit). The queries
     and keys are views of one fused QKV row, as the model hands them (Triton specializes
     on their strides). A full decode graph's own variant (HAS_COUNT) compiles when vLLM
     captures the graphs."""
@@ -282,10 +284,10 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_size: int, dtype: t
     turn_rows(query, index, cos, sin, rotary_dim, is_neox_style)
     turn_rows(key, None, cos, sin, rotary_dim, is_neox_style)
     out, lse = zeros(1, num_heads, head_size), zeros(num_heads, 1, dtype=torch.float32)
-    for tokens in (1, MERGE_SPLIT_HEADS_BELOW):  # the shape of a few tokens, then of many
+    for shape in {merge_launch_shape(tokens, num_heads) for tokens in (1, max_tokens)}:
         merge_rows(out, out.clone(), lse, out.clone(), lse.clone(),
                    zeros(2, dtype=torch.int32), zeros(1, dtype=torch.int32),
-                   launch_shape=merge_launch_shape(tokens, num_heads))
+                   launch_shape=shape)
 
 
 def _launcher_takes_constexprs() -> bool:

@@ -188,7 +188,7 @@ def _merge_error(counts, heads: int, d: int, dtype, generator) -> float:
     return relative_error(by_kernel, by_torch)
 
 
-def _start_up_variants(kwargs: dict) -> list:
+def _start_up_variants(kwargs: dict, max_tokens: int) -> list:
     """The (kernel, constexprs) pairs compile_variants launches for a case's shapes."""
     import torch
 
@@ -206,7 +206,7 @@ def _start_up_variants(kwargs: dict) -> list:
         segment_kernels.compile_variants.__wrapped__(  # past functools.cache: each case's own
             kwargs["num_q_heads"], kwargs["num_kv_heads"], kwargs["head_size"],
             getattr(torch, kwargs["dtype"]), kwargs.get("rotary_dim", kwargs["head_size"]),
-            kwargs.get("is_neox", True), torch.device("cpu"))
+            kwargs.get("is_neox", True), torch.device("cpu"), max_tokens)
     finally:
         segment_kernels.launch = original
     return seen
@@ -240,9 +240,11 @@ def test_kernels_match_torch(interpreter_errors, name, check):
 def test_start_up_compiles_each_variant_a_span_batch_launches(interpreter_errors, name):
     """compile_variants (run when a FlashAttention span builder starts) launches the turn
     as segment_attention._turned does, with new keys and without, and for the new keys
-    alone, and the merge in both launch shapes (merge_launch_shape)."""
-    seen = interpreter_errors["variants"][name]
-    assert isinstance(seen, list), seen
+    alone, and the merge in each launch shape (merge_launch_shape) the engine's batch
+    limit can reach."""
+    by_limit = interpreter_errors["variants"][name]
+    assert isinstance(by_limit, dict), by_limit
+    seen = by_limit["16384"]
     case = CASES[name]
     heads, kv_heads = case["num_q_heads"], case["num_kv_heads"]
     turns = {(c["HEADS"], c["K_HEADS"], c["HAS_INDEX"], c["HAS_KEYS"], c["HAS_COUNT"])
@@ -252,6 +254,9 @@ def test_start_up_compiles_each_variant_a_span_batch_launches(interpreter_errors
                      (kv_heads, kv_heads, False, False, False)}  # new keys alone
     merges = {(c["HEADS_BLOCK"], c["ROWS_BLOCK"]) for kind, c in seen if kind == "merge"}
     assert merges == {(1, 16), (1 << (heads - 1).bit_length(), 1)}
+    # an engine of 8 batched tokens never reaches the many-token shape: not compiled
+    assert {(c["HEADS_BLOCK"], c["ROWS_BLOCK"]) for kind, c in by_limit["8"]
+            if kind == "merge"} == {(1, 16)}
 
 
 if __name__ == "__main__":
@@ -263,7 +268,8 @@ if __name__ == "__main__":
         except Exception as exc:  # report, so the other case still runs
             results[case_name] = f"{type(exc).__name__}: {exc}"
         try:
-            results["variants"][case_name] = _start_up_variants(CASES[case_name])
+            results["variants"][case_name] = {
+                str(tokens): _start_up_variants(CASES[case_name], tokens) for tokens in (16384, 8)}
         except Exception as exc:
             results["variants"][case_name] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(results))

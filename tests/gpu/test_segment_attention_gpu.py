@@ -294,7 +294,7 @@ def test_start_up_compiles_what_span_batches_launch():
     for kernel in kernels:
         kernel.device_caches.clear()
     segment_kernels.compile_variants.__wrapped__(  # past functools.cache: the test's call
-        32, 8, 128, torch.bfloat16, 128, True, torch.device("cuda"))
+        32, 8, 128, torch.bfloat16, 128, True, torch.device("cuda"), 16384)
     variants = [compiled_variants(k) for k in kernels]
     for name in ("hit_40_docs", "long_task_after_spans", "epic_hit_and_decode"):
         run_rows(build(name, torch.bfloat16))
