@@ -267,10 +267,9 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_size: int, dtype: t
     in the first batch that needs one (about a second each on a fresh machine, every
     request of that step waiting). The variants: the queries turned with new keys and
     without, the new keys turned alone, and the merge's launch shapes for one to
-    `max_tokens` tokens (the engine's batch limit). The queries
-    and keys are views of one fused QKV row, as the model hands them (Triton specializes
-    on their strides). A full decode graph's own variant (HAS_COUNT) compiles when vLLM
-    captures the graphs."""
+    `max_tokens` tokens (the engine's batch limit). The queries and keys are views of one
+    fused QKV row, as the model hands them (Triton specializes on their strides). A full
+    decode graph's own variant (HAS_COUNT) compiles when vLLM captures the graphs."""
     def zeros(*shape, dtype=dtype):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
