@@ -250,13 +250,13 @@ async def table1_child(spec: dict) -> dict:
 # steps, after the first ones (which still fill the batch), so traces stay small. A short
 # pass (ISPS at a high repeat rate: some 30 engine steps, empty ones counted) needs fewer
 # skipped: --profile-steps.
-PROFILE_STEPS = "20:5"  # skipped:traced
+PROFILE_STEPS = (20, 5)  # skipped, traced
 
 
-def step_profiler(profile_dir: str, run_name: str, steps: str):
+def step_profiler(profile_dir: str, run_name: str, steps: tuple[int, int]):
     from vllm.config import ProfilerConfig
 
-    skipped, traced = parse_profile_steps(steps)
+    skipped, traced = steps
     return ProfilerConfig(profiler="torch",
                           torch_profiler_dir=str(Path(profile_dir) / slug(run_name)),
                           torch_profiler_with_stack=False, ignore_frontend=True,
@@ -273,11 +273,6 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     if skipped < 0 or traced < 1:
         raise argparse.ArgumentTypeError(f"want SKIPPED >= 0 and TRACED >= 1, got {text!r}")
     return skipped, traced
-
-
-def profile_steps_arg(text: str) -> str:
-    parse_profile_steps(text)
-    return text
 
 
 async def populate_child(spec: dict) -> dict:
@@ -521,7 +516,7 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
         window = rows[0].get("repeat_window")
         where += f", repeats from the {window} newest documents" if window else ""
         if any(r.get("profiled") for r in rows):
-            skipped, traced = parse_profile_steps(rows[0]["profile_steps"])
+            skipped, traced = rows[0]["profile_steps"]
             where += f", {traced} steps of each under the torch profiler (after {skipped})"
         if any(r.get("stack_sampled") for r in rows):
             where += ", every thread stack-sampled (slower)"
@@ -715,9 +710,9 @@ def parse_args() -> argparse.Namespace:
                     help="trace a few steady-state steps of each measured pass with the torch "
                          "profiler (one folder per configuration; tools/trace_summary.py reads "
                          "them); the rows are then marked as profiled")
-    t1.add_argument("--profile-steps", default=PROFILE_STEPS, type=profile_steps_arg,
-                    help="engine steps of the measured pass skipped, then traced "
-                         f"(default {PROFILE_STEPS})")
+    t1.add_argument("--profile-steps", default=PROFILE_STEPS, type=parse_profile_steps,
+                    help="SKIPPED:TRACED engine steps of the measured pass (default "
+                         "%d:%d)" % PROFILE_STEPS)
     t1.add_argument("--stack-samples", type=Path,
                     help="sample every thread of every process during each measured pass "
                          "(minipic.devtools.stack_sampler) into this folder, one window per "

@@ -113,15 +113,13 @@ class SpanBatchBuilder:
         self.split_kv_scratch = split_kv_buffers(
             max(SPLIT_KV_MAX_TOKENS, self.seq_threshold_3d), self.num_heads_q, self.headdim,
             device)
-        from minipic.config import span_attention
+        from minipic.config import mask_markers, span_attention
 
         # FA3 only: FA2's varlen LSE for GQA decodes (its swapped query groups) is untested
         self.use_flash_rows = (self.has_flash_rows and span_attention(vllm_config) == "flash"
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
         self.full_graphs = (self.use_flash_rows
                             and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
-        from minipic.config import mask_markers
-
         if self.use_flash_rows and not mask_markers(vllm_config):  # else the span kernel's
             rope = current_rope()
             compile_variants(self.num_heads_q, self.num_heads_kv, self.headdim,
