@@ -38,6 +38,7 @@ from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, add_minipic_option, connector_extra, disk_phase_list, gib, int_list,
     make_model, minipic_option_pairs, random_words)
+from minipic.devtools import step_phases  # noqa: E402
 from minipic.devtools.rag_workload import TASK_TOKENS, RagWorkload, rag_workload  # noqa: E402
 from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window  # noqa: E402
 from minipic.devtools.store_totals import store_totals  # noqa: E402
@@ -230,9 +231,11 @@ async def table1_child(spec: dict) -> dict:
         if spec.get("profile_dir"):
             await backend.engine.start_profile()  # records its steps, then stops itself
         start, cpu_began = time.perf_counter(), cpu_seconds()
+        began = time.monotonic()  # the clock of every process's step phases
         with sample_window(run.name):
             facts = await strategy(backend, protocol, load, run.max_num_seqs, spec["batch_size"])
         seconds = time.perf_counter() - start
+        facts["pass_monotonic"] = [began, time.monotonic()]
         facts.update(cpu_shares(cpu_began, seconds))
     finally:
         await backend.close()
@@ -243,7 +246,8 @@ async def table1_child(spec: dict) -> dict:
             "samples_per_s": spec["samples"] / seconds,
             "profiled": bool(spec.get("profile_dir")),
             "profile_steps": spec["profile_steps"] if spec.get("profile_dir") else None,
-            "stack_sampled": bool(os.environ.get(ENV_FOLDER)), **facts}
+            "stack_sampled": bool(os.environ.get(ENV_FOLDER)),
+            "step_phases": bool(os.environ.get(step_phases.ENV_FOLDER)), **facts}
 
 
 # Steps of the measured pass under the torch profiler with --profile-dir: a few steady-state
@@ -520,6 +524,8 @@ def table1_markdown(results: list[dict], meta: dict) -> str:
             where += f", {traced} steps of each under the torch profiler (after {skipped})"
         if any(r.get("stack_sampled") for r in rows):
             where += ", every thread stack-sampled (slower)"
+        if any(r.get("step_phases") for r in rows):
+            where += ", host functions timed (step phases)"
         lines += ["", f"### repeat rate {rate} (measured {rows[0]['measured_repeat_rate']:.3f})"
                       f"{where}, {rows[0]['samples']} samples",
                   "", "| # | configuration | strategy | max_num_seqs | attention | samples/s | "
@@ -717,6 +723,10 @@ def parse_args() -> argparse.Namespace:
                     help="sample every thread of every process during each measured pass "
                          "(minipic.devtools.stack_sampler) into this folder, one window per "
                          "row; tools/stack_summary.py reads it. Rows tagged stack_sampled")
+    t1.add_argument("--step-phases", type=Path,
+                    help="time vLLM's and minipic's main host functions in every process "
+                         "(minipic.devtools.step_phases) into this folder; "
+                         "tools/step_phases_summary.py reads it. Rows tagged step_phases")
     t1.set_defaults(func=table1)
 
     f2 = commands.add_parser("figure2", parents=[common], help="TTFT and preload times")
@@ -772,6 +782,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if getattr(args, "stack_samples", None):  # the children inherit it, and start samplers
         os.environ[ENV_FOLDER] = str(args.stack_samples.resolve())
+    if getattr(args, "step_phases", None):  # the children's plugin entry point reads it
+        os.environ[step_phases.ENV_FOLDER] = str(args.step_phases.resolve())
     if hasattr(args, "parts"):
         args.parts = args.parts.split(",")
     with tempfile.TemporaryDirectory() as tmp:

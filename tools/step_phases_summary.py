@@ -1,0 +1,134 @@
+"""Where a benchmark pass's host time went, engine step by engine step (no GPU needed to read).
+
+`tools/bench_rag.py table1 --step-phases DIR` times vLLM's and minipic's main host functions
+in every vLLM process (`minipic/devtools/step_phases.py`, unsampled: two clock reads a call)
+and notes each run's measured pass in table1.json (`pass_monotonic`, the clock every process
+shares). This prints, for one run's pass: each process's seconds by function, then one line
+per engine-core step: when it began (ms from the pass's start), its wall time, and the time of
+the functions called inside it. A step's `sample_tokens` is mostly the engine core waiting for
+the GPU; `execute_model` is host work (the batch's preparation and the layers' launches).
+
+    python3 tools/step_phases_summary.py DIR --table1 OUT/table1.json --run 5@1024/r0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from minipic.devtools.step_phases import SUFFIX  # noqa: E402
+
+STEP_PREFIX = "EngineCore.step"
+# Columns of the step table: (heading, function as step_phases names it)
+STEP_COLUMNS = (
+    ("schedule", "Scheduler.schedule"),
+    ("execute", "GPUModelRunner.execute_model"),
+    ("add_requests", "GPUModelRunner.add_requests"),
+    ("prepare_inputs", "GPUModelRunner.prepare_inputs"),
+    ("add_spans", "SpanBatchBuilder._add_spans"),
+    ("layout", "span_layout.current_layout"),
+    ("plan", "segment_plan.segment_plan"),
+    ("attention", "Attention.forward"),
+    ("sample_tokens", "GPUModelRunner.sample_tokens"),
+)
+SCHEDULED = "KVCacheManager.get_computed_blocks"  # called once for each request scheduled
+
+
+def process_calls(folder: Path) -> dict[str, list[tuple]]:
+    """Each process's calls (name, start, seconds), by process id, in start order."""
+    calls: dict[str, list[tuple]] = {}
+    for path in sorted(folder.glob(f"*{SUFFIX}")):
+        pid = path.name[: -len(SUFFIX)]
+        calls[pid] = sorted(_read(path), key=lambda call: call[1])
+    return calls
+
+
+def _read(path: Path) -> list[tuple]:
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(tuple(json.loads(line)))
+        except ValueError:  # a line cut short by a killed process
+            continue
+    return records
+
+
+def totals(calls: list[tuple], begin: float, end: float) -> dict[str, tuple[float, int]]:
+    """(seconds, calls) by function of the calls that started inside [begin, end]."""
+    found: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for name, start, seconds in calls:
+        if begin <= start <= end:
+            found[name][0] += seconds
+            found[name][1] += 1
+    return {name: (seconds, count) for name, (seconds, count) in found.items()}
+
+
+def engine_steps(calls: list[tuple], begin: float, end: float) -> list[dict]:
+    """The engine core's steps that began inside [begin, end]: each one's start (s from
+    `begin`), wall seconds, seconds by STEP_COLUMNS and requests scheduled."""
+    steps = []
+    for name, start, seconds in calls:
+        if not name.startswith(STEP_PREFIX) or not begin <= start <= end:
+            continue
+        inside = totals(calls, start, start + seconds)
+        steps.append({"start": start - begin, "seconds": seconds,
+                      **{heading: inside.get(function, (0.0, 0))[0]
+                         for heading, function in STEP_COLUMNS},
+                      "scheduled": inside.get(SCHEDULED, (0.0, 0))[1]})
+    return steps
+
+
+def pass_window(table1: Path, run: str | None) -> tuple[str, float, float]:
+    """(run name, begin, end) of a run's measured pass in a bench_rag table1.json: the run
+    named, or the only one with a window."""
+    results = [r for r in json.loads(table1.read_text())["results"] if r.get("pass_monotonic")]
+    chosen = [r for r in results if run is None or r["name"] == run]
+    if len(chosen) != 1:
+        names = ", ".join(r["name"] for r in results) or "none"
+        raise SystemExit(f"{table1}: name one run with --run (runs with a pass window: {names})")
+    begin, end = chosen[0]["pass_monotonic"]
+    return chosen[0]["name"], begin, end
+
+
+def summary(calls: dict[str, list[tuple]], begin: float, end: float) -> str:
+    lines = []
+    for pid, process in calls.items():
+        found = totals(process, begin, end)
+        if not found:
+            continue
+        role = "engine core" if any(n.startswith(STEP_PREFIX) for n in found) else "other"
+        lines.append(f"process {pid} ({role})")
+        for name, (seconds, count) in sorted(found.items(), key=lambda kv: -kv[1][0]):
+            lines.append(f"  {name:52s} {seconds * 1e3:9.1f} ms  calls {count}")
+    core = next((p for p in calls.values()
+                 if any(n.startswith(STEP_PREFIX) for n, _, _ in p)), [])
+    headings = ["start", "step"] + [h for h, _ in STEP_COLUMNS]
+    lines += ["", "engine steps (ms; scheduled: requests given blocks that step)", "",
+              "| " + " | ".join(headings) + " | scheduled |",
+              "|" + " --- |" * (len(headings) + 1)]
+    for step in engine_steps(core, begin, end):
+        values = [step["start"], step["seconds"]] + [step[h] for h, _ in STEP_COLUMNS]
+        lines.append("| " + " | ".join(f"{v * 1e3:.1f}" for v in values)
+                     + f" | {step['scheduled']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="the --step-phases folder")
+    parser.add_argument("--table1", type=Path, required=True, help="bench_rag's table1.json")
+    parser.add_argument("--run", help="a run's name, e.g. 5@1024/r0.9")
+    args = parser.parse_args()
+    name, begin, end = pass_window(args.table1, args.run)
+    print(f"{name}: measured pass of {end - begin:.2f} s\n")
+    print(summary(process_calls(args.folder), begin, end))
+
+
+if __name__ == "__main__":
+    main()
