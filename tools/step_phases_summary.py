@@ -25,17 +25,18 @@ sys.path.insert(0, str(REPO))
 from minipic.devtools.step_phases import SUFFIX  # noqa: E402
 
 STEP_PREFIX = "EngineCore.step"
-# Columns of the step table: (heading, function as step_phases names it)
+# Columns of the step table: (heading, the functions as step_phases names them: Model
+# Runner V2's, the V1 runner's)
 STEP_COLUMNS = (
-    ("schedule", "Scheduler.schedule"),
-    ("execute", "GPUModelRunner.execute_model"),
-    ("add_requests", "GPUModelRunner.add_requests"),
-    ("prepare_inputs", "GPUModelRunner.prepare_inputs"),
-    ("add_spans", "SpanBatchBuilder._add_spans"),
-    ("layout", "span_layout.current_layout"),
-    ("plan", "segment_plan.segment_plan"),
-    ("attention", "Attention.forward"),
-    ("sample_tokens", "GPUModelRunner.sample_tokens"),
+    ("schedule", ("Scheduler.schedule",)),
+    ("execute", ("GPUModelRunner.execute_model",)),
+    ("add_requests", ("GPUModelRunner.add_requests", "GPUModelRunner._update_states")),
+    ("prepare_inputs", ("GPUModelRunner.prepare_inputs", "GPUModelRunner._prepare_inputs")),
+    ("add_spans", ("SpanBatchBuilder._add_spans",)),
+    ("layout", ("span_layout.current_layout",)),
+    ("plan", ("segment_plan.segment_plan",)),
+    ("attention", ("Attention.forward",)),
+    ("sample_tokens", ("GPUModelRunner.sample_tokens",)),
 )
 SCHEDULED = "KVCacheManager.get_computed_blocks"  # called once for each request scheduled
 
@@ -70,16 +71,17 @@ def totals(calls: list[tuple], begin: float, end: float) -> dict[str, tuple[floa
 
 
 def engine_steps(calls: list[tuple], begin: float, end: float) -> list[dict]:
-    """The engine core's steps that began inside [begin, end]: each one's start (s from
-    `begin`), wall seconds, seconds by STEP_COLUMNS and requests scheduled."""
+    """The engine core's steps that began inside [begin, end] (`calls` in start order, of
+    every process): each one's start (s from `begin`), wall seconds, seconds by STEP_COLUMNS
+    of the calls that started inside it, and requests scheduled."""
     steps = []
     for name, start, seconds in calls:
         if not name.startswith(STEP_PREFIX) or not begin <= start <= end:
             continue
         inside = totals(calls, start, start + seconds)
         steps.append({"start": start - begin, "seconds": seconds,
-                      **{heading: inside.get(function, (0.0, 0))[0]
-                         for heading, function in STEP_COLUMNS},
+                      **{heading: sum(inside.get(f, (0.0, 0))[0] for f in functions)
+                         for heading, functions in STEP_COLUMNS},
                       "scheduled": inside.get(SCHEDULED, (0.0, 0))[1]})
     return steps
 
@@ -96,23 +98,34 @@ def pass_window(table1: Path, run: str | None) -> tuple[str, float, float]:
     return chosen[0]["name"], begin, end
 
 
+def role(found: dict) -> str:
+    """Which vLLM process made these calls."""
+    if any(name.startswith(STEP_PREFIX) for name in found):
+        return "engine core"
+    if "GPUModelRunner.execute_model" in found:
+        return "worker"
+    return "front end" if any(name.startswith(("InputProcessor", "OutputProcessor"))
+                              for name in found) else "other"
+
+
 def summary(calls: dict[str, list[tuple]], begin: float, end: float) -> str:
     lines = []
     for pid, process in calls.items():
         found = totals(process, begin, end)
         if not found:
             continue
-        role = "engine core" if any(n.startswith(STEP_PREFIX) for n in found) else "other"
-        lines.append(f"process {pid} ({role})")
+        lines.append(f"process {pid} ({role(found)})")
         for name, (seconds, count) in sorted(found.items(), key=lambda kv: -kv[1][0]):
             lines.append(f"  {name:52s} {seconds * 1e3:9.1f} ms  calls {count}")
-    core = next((p for p in calls.values()
-                 if any(n.startswith(STEP_PREFIX) for n, _, _ in p)), [])
+    # A worker in its own process (vLLM's multiprocess executor) times on the same clock:
+    # its calls count in the step they started in.
+    everyone = sorted((call for process in calls.values() for call in process),
+                      key=lambda call: call[1])
     headings = ["start", "step"] + [h for h, _ in STEP_COLUMNS]
     lines += ["", "engine steps (ms; scheduled: requests given blocks that step)", "",
               "| " + " | ".join(headings) + " | scheduled |",
               "|" + " --- |" * (len(headings) + 1)]
-    for step in engine_steps(core, begin, end):
+    for step in engine_steps(everyone, begin, end):
         values = [step["start"], step["seconds"]] + [step[h] for h, _ in STEP_COLUMNS]
         lines.append("| " + " | ".join(f"{v * 1e3:.1f}" for v in values)
                      + f" | {step['scheduled']} |")

@@ -1,6 +1,7 @@
 """tools/step_phases_summary.py on step-phase logs written as minipic.devtools.step_phases
 writes them (one JSON-lines file a process) and a bench_rag table1.json naming the pass:
-only the pass's calls count, and each engine step gets the calls made inside it."""
+only the pass's calls count, and each engine step gets the calls made inside it, by any
+process."""
 
 import json
 import subprocess
@@ -25,15 +26,17 @@ def test_each_step_of_the_pass_gets_its_own_calls(tmp_path):
         ["Scheduler.schedule", 10.01, 0.02],
         ["KVCacheManager.get_computed_blocks", 10.012, 0.001],
         ["KVCacheManager.get_computed_blocks", 10.014, 0.001],
+        ["EngineCore.step_with_batch_queue", 10.6, 0.03],
+        ["Scheduler.schedule", 10.6, 0.01],
+    ])
+    write_log(logs, 12, [["InputProcessor.process_inputs", 9.99, 0.004]])  # front end
+    write_log(logs, 13, [  # a worker process of its own (vLLM's multiprocess executor)
         ["GPUModelRunner.execute_model", 10.03, 0.2],
         ["SpanBatchBuilder._add_spans", 10.04, 0.05],
         ["Attention.forward", 10.1, 0.001],
         ["Attention.forward", 10.11, 0.003],
         ["GPUModelRunner.sample_tokens", 10.23, 0.25],
-        ["EngineCore.step_with_batch_queue", 10.6, 0.03],
-        ["Scheduler.schedule", 10.6, 0.01],
     ])
-    write_log(logs, 12, [["InputProcessor.process_inputs", 9.99, 0.004]])  # front end
     table1 = tmp_path / "table1.json"
     table1.write_text(json.dumps({"results": [
         {"name": "2@1024/r0.9", "pass_monotonic": [1.0, 4.0]},
@@ -44,9 +47,10 @@ def test_each_step_of_the_pass_gets_its_own_calls(tmp_path):
 
     text = out.stdout
     assert "5@1024/r0.9: measured pass of 1.10 s" in text
-    engine = text.split("process 11 (engine core)")[1].split("engine steps")[0]
+    engine = text.split("process 11 (engine core)")[1].split("process")[0]
     assert "Scheduler.schedule" in engine and "30.0 ms  calls 2" in engine  # not the warm-up's
-    assert "InputProcessor.process_inputs" in text.split("process 12 (other)")[1]
+    assert "InputProcessor.process_inputs" in text.split("process 12 (front end)")[1]
+    assert "Attention.forward" in text.split("process 13 (worker)")[1]
     rows = [line for line in text.splitlines() if line.startswith("| 1") or line.startswith("| 7")]
     # start, step, schedule, execute, add_requests, prepare_inputs, add_spans, layout, plan,
     # attention, sample_tokens | scheduled
