@@ -14,19 +14,20 @@ the GPU; `execute_model` is host work (the batch's preparation and the layers' l
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from minipic.devtools.step_phases import SUFFIX  # noqa: E402
+from minipic.devtools.process_logs import records_by_process  # noqa: E402
+from minipic.devtools.step_phases import SUFFIX, calls_within  # noqa: E402
 
 STEP_PREFIX = "EngineCore.step"
 # Columns of the step table: (heading, the functions as step_phases names them: Model
-# Runner V2's, the V1 runner's)
+# Runner V2's, the V1 runner's). `execute` holds the worker's columns after it.
 STEP_COLUMNS = (
     ("schedule", ("Scheduler.schedule",)),
     ("execute", ("GPUModelRunner.execute_model",)),
@@ -38,51 +39,35 @@ STEP_COLUMNS = (
     ("attention", ("Attention.forward",)),
     ("sample_tokens", ("GPUModelRunner.sample_tokens",)),
 )
-SCHEDULED = "KVCacheManager.get_computed_blocks"  # called once for each request scheduled
+# Called once for each waiting request the scheduler looks at (given blocks or not).
+LOOKED_UP = "KVCacheManager.get_computed_blocks"
 
 
 def process_calls(folder: Path) -> dict[str, list[tuple]]:
     """Each process's calls (name, start, seconds), by process id, in start order."""
-    calls: dict[str, list[tuple]] = {}
-    for path in sorted(folder.glob(f"*{SUFFIX}")):
-        pid = path.name[: -len(SUFFIX)]
-        calls[pid] = sorted(_read(path), key=lambda call: call[1])
-    return calls
-
-
-def _read(path: Path) -> list[tuple]:
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(tuple(json.loads(line)))
-        except ValueError:  # a line cut short by a killed process
-            continue
-    return records
-
-
-def totals(calls: list[tuple], begin: float, end: float) -> dict[str, tuple[float, int]]:
-    """(seconds, calls) by function of the calls that started inside [begin, end]."""
-    found: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for name, start, seconds in calls:
-        if begin <= start <= end:
-            found[name][0] += seconds
-            found[name][1] += 1
-    return {name: (seconds, count) for name, (seconds, count) in found.items()}
+    found = records_by_process(folder, SUFFIX)
+    if not found:
+        raise SystemExit(f"{folder}: no step-phase logs (*{SUFFIX})")
+    return {pid: sorted(calls, key=lambda call: call[1]) for pid, calls in found.items()}
 
 
 def engine_steps(calls: list[tuple], begin: float, end: float) -> list[dict]:
     """The engine core's steps that began inside [begin, end] (`calls` in start order, of
     every process): each one's start (s from `begin`), wall seconds, seconds by STEP_COLUMNS
-    of the calls that started inside it, and requests scheduled."""
+    of the calls that started inside it, and the requests the scheduler looked up."""
+    starts = [call[1] for call in calls]
     steps = []
-    for name, start, seconds in calls:
-        if not name.startswith(STEP_PREFIX) or not begin <= start <= end:
+    for name, start, seconds in calls[bisect.bisect_left(starts, begin):
+                                      bisect.bisect_right(starts, end)]:
+        if not name.startswith(STEP_PREFIX):
             continue
-        inside = totals(calls, start, start + seconds)
+        inside = calls_within(calls[bisect.bisect_left(starts, start):
+                                    bisect.bisect_right(starts, start + seconds)],
+                              start, start + seconds)
         steps.append({"start": start - begin, "seconds": seconds,
                       **{heading: sum(inside.get(f, (0.0, 0))[0] for f in functions)
                          for heading, functions in STEP_COLUMNS},
-                      "scheduled": inside.get(SCHEDULED, (0.0, 0))[1]})
+                      "looked_up": inside.get(LOOKED_UP, (0.0, 0))[1]})
     return steps
 
 
@@ -92,8 +77,9 @@ def pass_window(table1: Path, run: str | None) -> tuple[str, float, float]:
     results = [r for r in json.loads(table1.read_text())["results"] if r.get("pass_monotonic")]
     chosen = [r for r in results if run is None or r["name"] == run]
     if len(chosen) != 1:
-        names = ", ".join(r["name"] for r in results) or "none"
-        raise SystemExit(f"{table1}: name one run with --run (runs with a pass window: {names})")
+        names = ", ".join(r["name"] for r in results) or "none (run with --step-phases)"
+        wanted = f"no pass window for {run}" if run else "name one run with --run"
+        raise SystemExit(f"{table1}: {wanted} (runs with a pass window: {names})")
     begin, end = chosen[0]["pass_monotonic"]
     return chosen[0]["name"], begin, end
 
@@ -111,7 +97,7 @@ def role(found: dict) -> str:
 def summary(calls: dict[str, list[tuple]], begin: float, end: float) -> str:
     lines = []
     for pid, process in calls.items():
-        found = totals(process, begin, end)
+        found = calls_within(process, begin, end)
         if not found:
             continue
         lines.append(f"process {pid} ({role(found)})")
@@ -122,13 +108,14 @@ def summary(calls: dict[str, list[tuple]], begin: float, end: float) -> str:
     everyone = sorted((call for process in calls.values() for call in process),
                       key=lambda call: call[1])
     headings = ["start", "step"] + [h for h, _ in STEP_COLUMNS]
-    lines += ["", "engine steps (ms; scheduled: requests given blocks that step)", "",
-              "| " + " | ".join(headings) + " | scheduled |",
+    lines += ["", "engine steps (ms; execute holds the worker's columns after it, summed over "
+              "workers; looked up: waiting requests the scheduler looked at)", "",
+              "| " + " | ".join(headings) + " | looked up |",
               "|" + " --- |" * (len(headings) + 1)]
     for step in engine_steps(everyone, begin, end):
         values = [step["start"], step["seconds"]] + [step[h] for h, _ in STEP_COLUMNS]
         lines.append("| " + " | ".join(f"{v * 1e3:.1f}" for v in values)
-                     + f" | {step['scheduled']} |")
+                     + f" | {step['looked_up']} |")
     return "\n".join(lines)
 
 

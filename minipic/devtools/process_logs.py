@@ -23,11 +23,20 @@ def this_process_log(env_folder: str, suffix: str) -> Path | None:
 
 def read_records(folder: Path, suffix: str) -> list[tuple]:
     """Every record of every process's log; a line cut short by a killed process is skipped."""
-    records = []
-    for path in Path(folder).glob(f"*{suffix}"):
+    return [record for records in records_by_process(folder, suffix).values()
+            for record in records]
+
+
+def records_by_process(folder: Path, suffix: str) -> dict[str, list[tuple]]:
+    """Each process's records (its log's name less `suffix`: its pid), in file order; a line
+    cut short by a killed process is skipped."""
+    found = {}
+    for path in sorted(Path(folder).glob(f"*{suffix}")):
+        records = []
         for line in path.read_text().splitlines():
             try:
                 records.append(tuple(json.loads(line)))
             except ValueError:
                 continue
-    return records
+        found[path.name[: -len(suffix)]] = records
+    return found

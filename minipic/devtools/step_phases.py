@@ -184,8 +184,14 @@ def read_phases(folder: Path) -> list[tuple[str, float, float]]:
 
 def phases_within(calls: list[tuple], begin: float, end: float) -> dict[str, float]:
     """Seconds by function name of the calls that started inside [begin, end]."""
-    totals: dict[str, float] = {}
+    return {name: seconds for name, (seconds, _) in calls_within(calls, begin, end).items()}
+
+
+def calls_within(calls: list[tuple], begin: float, end: float) -> dict[str, tuple[float, int]]:
+    """(seconds, calls) by function name of the calls that started inside [begin, end]."""
+    totals: dict[str, tuple[float, int]] = {}
     for name, start, seconds in calls:
         if begin <= start <= end:
-            totals[name] = totals.get(name, 0.0) + seconds
+            total, count = totals.get(name, (0.0, 0))
+            totals[name] = (total + seconds, count + 1)
     return totals

@@ -28,6 +28,7 @@ def test_each_step_of_the_pass_gets_its_own_calls(tmp_path):
         ["KVCacheManager.get_computed_blocks", 10.014, 0.001],
         ["EngineCore.step_with_batch_queue", 10.6, 0.03],
         ["Scheduler.schedule", 10.6, 0.01],
+        ["EngineCore.step_with_batch_queue", 11.5, 0.03],  # after the pass
     ])
     write_log(logs, 12, [["InputProcessor.process_inputs", 9.99, 0.004]])  # front end
     write_log(logs, 13, [  # a worker process of its own (vLLM's multiprocess executor)
@@ -53,7 +54,7 @@ def test_each_step_of_the_pass_gets_its_own_calls(tmp_path):
     assert "Attention.forward" in text.split("process 13 (worker)")[1]
     rows = [line for line in text.splitlines() if line.startswith("| 1") or line.startswith("| 7")]
     # start, step, schedule, execute, add_requests, prepare_inputs, add_spans, layout, plan,
-    # attention, sample_tokens | scheduled
+    # attention, sample_tokens | looked up
     assert rows == ["| 100.0 | 500.0 | 20.0 | 200.0 | 0.0 | 0.0 | 50.0 | 0.0 | 0.0 | 4.0 | "
                     "250.0 | 2 |",
                     "| 700.0 | 30.0 | 10.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0 |"]
@@ -67,3 +68,11 @@ def test_a_table_with_several_windows_needs_a_run_named(tmp_path):
     out = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "phases"),
                           "--table1", str(table1)], capture_output=True, text=True)
     assert out.returncode != 0 and "runs with a pass window: a, b" in out.stderr
+
+
+def test_a_folder_without_logs_is_an_error(tmp_path):
+    table1 = tmp_path / "table1.json"
+    table1.write_text(json.dumps({"results": [{"name": "a", "pass_monotonic": [0, 1]}]}))
+    out = subprocess.run([sys.executable, str(TOOL), str(tmp_path), "--table1", str(table1)],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "no step-phase logs" in out.stderr
