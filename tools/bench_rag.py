@@ -35,10 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
+from minipic.devtools import step_phases  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, add_minipic_option, connector_extra, disk_phase_list, gib, int_list,
     make_model, minipic_option_pairs, random_words)
-from minipic.devtools import step_phases  # noqa: E402
 from minipic.devtools.rag_workload import TASK_TOKENS, RagWorkload, rag_workload  # noqa: E402
 from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window  # noqa: E402
 from minipic.devtools.store_totals import store_totals  # noqa: E402
