@@ -13,6 +13,7 @@ large; a summary is small enough to keep with the results (docs/connector.md quo
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -83,12 +84,13 @@ def step_table(gpu: list[dict], steps: list[dict]) -> list[str]:
     """One row per engine step, in order: what the GPU did inside the step's GPU range
     (the classes sum to the busy time where no two kernels overlap)."""
     gpu = sorted(gpu, key=lambda e: e["ts"])
+    starts = [e["ts"] for e in gpu]
     classes = [cls for cls, _ in KERNEL_CLASSES] + ["other", "copy / memset"]
     lines = ["| step (requests, tokens) | span ms | busy ms | " + " | ".join(classes) + " |",
              "| --- " * (len(classes) + 3) + "|"]
     for step in sorted(steps, key=lambda e: e["ts"]):
         start, stop = step["ts"], step["ts"] + step["dur"]
-        inside = [e for e in gpu if start <= e["ts"] < stop]
+        inside = gpu[bisect.bisect_left(starts, start): bisect.bisect_left(starts, stop)]
         total: dict[str, float] = collections.defaultdict(float)
         for e in inside:
             total[kernel_class(e)] += e["dur"]

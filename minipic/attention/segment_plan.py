@@ -115,7 +115,7 @@ def _move_packed(tensors: dict, device: torch.device) -> dict:
     moved = {}
     for dtype in {t.dtype for t in tensors.values()}:
         keys = [k for k, t in tensors.items() if t.dtype == dtype]
-        per_alignment = max(1, PACKED_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+        per_alignment = max(1, PACKED_ALIGN_BYTES // dtype.itemsize)
         sizes = [-(-tensors[k].numel() // per_alignment) * per_alignment for k in keys]
         flat = torch.zeros(sum(sizes), dtype=dtype)
         for k, piece in zip(keys, flat.split(sizes)):

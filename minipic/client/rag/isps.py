@@ -75,8 +75,7 @@ class InterleavedScheduler:
 
 @dataclasses.dataclass(eq=False)
 class _Span:
-    key: tuple[int, ...]  # the tokens: the run's name for the span
-    tokens: list[int]
+    tokens: tuple[int, ...]  # also the run's name for the span (its key in _Run.spans)
     outcome: SpanPrefill | BaseException | None = None  # None: not done yet
     waiting: list["_Waiting"] = dataclasses.field(default_factory=list)
 
@@ -148,7 +147,7 @@ class _Run:
         key = tuple(tokens)
         span = self.spans.get(key)
         if span is None:
-            span = self.spans[key] = _Span(key, tokens)
+            span = self.spans[key] = _Span(key)
             self.submit(SPAN_PREFILL, lambda: self.prefill(span))
         return span
 
@@ -164,7 +163,7 @@ class _Run:
         span.waiting.clear()
         if isinstance(span.outcome, BaseException):
             # Fail only the requests that waited; a later request retries the span.
-            self.spans.pop(span.key, None)
+            self.spans.pop(span.tokens, None)
 
     def release(self, waiting: _Waiting) -> None:
         """All spans are done: queue the final prompt, or fail the request."""
