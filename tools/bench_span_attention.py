@@ -6,7 +6,11 @@ paged cache with a shuffled block table. Batches:
                   1008 tokens as SSep spans, a 50-token PDep task computed (Block-Attention);
   epic10          the same with EPIC: each document's first block recomputed as a link;
   decode256       256 requests decoding one token each over a 4.3k-token span prompt
-                  (10 documents of 400 tokens, EPIC links, task).
+                  (10 documents of 400 tokens, EPIC links, task);
+  final481        the final-prompt step of ISPS at repeat rate 0.9 (tools/bench_rag.py): 481
+                  requests, each a header, 10 cached 96-token documents and a 34-token task;
+  final481_shared the same, the documents drawn from a pool of 2000, so requests share
+                  them as a batch of hot documents does (layout.span_id: one row a document).
 Variants, all on the same cache and queries:
   fa3             stock FlashAttention 3, causal over the same keys: what stock vLLM runs
                   for the same query tokens after its own full prefix hit (the floor);
@@ -49,29 +53,37 @@ def block_attention_markers(docs: int, doc_blocks: int, task_blocks: int) -> str
     return "-" + ("S" + "-" * (doc_blocks - 1)) * docs + "P" + "-" * (task_blocks - 1)
 
 
-# name -> (markers, requests, query tokens per request, sequence length)
+# name -> (markers, requests, query tokens per request, sequence length[, documents in the
+# pool the requests' documents are drawn from: shared keys and span ids])
 BATCHES = {
     "hit10": (block_attention_markers(10, 63, 4), 1, 50, 16 + 10 * 1008 + 50),
     "hit40": (block_attention_markers(40, 63, 4), 1, 50, 16 + 40 * 1008 + 50),
     "epic10": (epic_markers(10, 63, 1, 4), 1, 160 + 50, 16 + 10 * 1008 + 160 + 50),
     "decode256": (epic_markers(10, 25, 1, 6), 256, 1, 16 + 10 * 400 + 160 + 90),
+    "final481": (block_attention_markers(10, 6, 3), 481, 34, 16 + 10 * 96 + 34),
+    "final481_shared": (block_attention_markers(10, 6, 3), 481, 34, 16 + 10 * 96 + 34, 2000),
 }
 
 
 class Batch:
     def __init__(self, name: str, gen: torch.Generator) -> None:
-        markers, reqs, q_len, seq_len = BATCHES[name]
+        markers, reqs, q_len, seq_len, *pool = BATCHES[name]
         blocks = -(-seq_len // BLOCK)
         assert len(markers) >= blocks, name
         total = reqs * blocks
         self.k = torch.randn(total, BLOCK, KV_HEADS, HEAD, device="cuda", dtype=DTYPE)
         self.v = torch.randn_like(self.k)
         self.table = torch.randperm(total, device="cuda").view(reqs, blocks).to(torch.int32)
+        span_id = None
+        if pool:
+            table, span_id = shared_documents(reqs, markers[:blocks], pool[0], gen)
+            self.table = table.to("cuda")
         self.q = torch.randn(reqs * q_len, Q_HEADS, HEAD, device="cuda", dtype=DTYPE)
         self.cu = torch.arange(reqs + 1, device="cuda", dtype=torch.int32) * q_len
         self.seq_lens = torch.full((reqs,), seq_len, device="cuda", dtype=torch.int32)
         self.q_len, self.seq_len = q_len, seq_len
         self.layout_host = marker_layout([markers[:blocks]] * reqs, blocks, BLOCK)
+        self.layout_host.span_id = span_id
         self.layout = self.layout_host.to("cuda")
         self.cos_sin = rope_table(HEAD, 2 * seq_len + 64, device="cuda")
         self.scale = HEAD ** -0.5
@@ -80,6 +92,32 @@ class Batch:
         qsl = self.cu.tolist()
         plan = segment_plan(self.layout_host, qsl, self.seq_lens.tolist(), BLOCK)
         return prepare(plan, self.table, self.cos_sin, HEAD, True)
+
+
+def shared_documents(reqs: int, markers: str, pool: int, gen: torch.Generator
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's documents drawn (distinct) from `pool` documents whose blocks are the
+    first pool x doc_blocks blocks of the cache: the block table pointing there, the other
+    blocks (header, task) each a block of its own past them, and the span ids Model Runner
+    V2 would give (a document's first id plus the block's place in it)."""
+    blocks = len(markers)
+    starts = [i for i, c in enumerate(markers) if c == "S"]
+    doc_blocks = starts[1] - starts[0]
+    in_doc = torch.zeros(blocks, dtype=torch.bool)
+    for start in starts:
+        in_doc[start: start + doc_blocks] = True
+    own = int((~in_doc).sum())
+    assert pool * doc_blocks + reqs * own <= reqs * blocks, "the cache is too small"
+    table = torch.empty((reqs, blocks), dtype=torch.int32)
+    span_id = torch.full((reqs, blocks), -1, dtype=torch.int64)
+    table[:, ~in_doc] = (pool * doc_blocks + torch.arange(reqs * own)).view(reqs, own).int()
+    place = torch.arange(doc_blocks)
+    for r in range(reqs):
+        docs = torch.randperm(pool, generator=gen)[: len(starts)]
+        for start, doc in zip(starts, docs.tolist()):
+            table[r, start: start + doc_blocks] = doc * doc_blocks + place
+            span_id[r, start: start + doc_blocks] = doc * doc_blocks + place
+    return table, span_id
 
 
 def launchers(b: Batch, out: torch.Tensor) -> dict:
