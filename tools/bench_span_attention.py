@@ -8,9 +8,13 @@ paged cache with a shuffled block table. Batches:
   decode256       256 requests decoding one token each over a 4.3k-token span prompt
                   (10 documents of 400 tokens, EPIC links, task);
   final481        the final-prompt step of ISPS at repeat rate 0.9 (tools/bench_rag.py): 481
-                  requests, each a header, 10 cached 96-token documents and a 34-token task;
+                  requests, each a 64-token system prompt, 10 cached 96-token documents and
+                  a 32-token task computed;
   final481_shared the same, the documents drawn from a pool of 2000, so requests share
-                  them as a batch of hot documents does (layout.span_id: one row a document).
+                  them as a batch of hot documents does (layout.span_id: one row a
+                  document). Stock vLLM would never share these blocks (its hashes chain
+                  through the prefix), so its fa3 time here reads fewer distinct blocks than
+                  it would: compare the rows with final481's fa3.
 Variants, all on the same cache and queries:
   fa3             stock FlashAttention 3, causal over the same keys: what stock vLLM runs
                   for the same query tokens after its own full prefix hit (the floor);
@@ -36,6 +40,7 @@ import json
 import pstats
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -49,40 +54,54 @@ Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 
 
-def block_attention_markers(docs: int, doc_blocks: int, task_blocks: int) -> str:
-    return "-" + ("S" + "-" * (doc_blocks - 1)) * docs + "P" + "-" * (task_blocks - 1)
+def block_attention_markers(docs: int, doc_blocks: int, task_blocks: int,
+                            header_blocks: int = 1) -> str:
+    return "-" * header_blocks + ("S" + "-" * (doc_blocks - 1)) * docs \
+        + "P" + "-" * (task_blocks - 1)
 
 
-# name -> (markers, requests, query tokens per request, sequence length[, documents in the
-# pool the requests' documents are drawn from: shared keys and span ids])
+class Shape(NamedTuple):
+    markers: str  # each block's first token (paged_attention_case.make_case's letters)
+    requests: int
+    query_tokens: int  # per request, the last ones of its sequence
+    seq_len: int
+    # requests' documents drawn from this many (shared keys and span ids); None: own blocks
+    pool: int | None = None
+
+
+# The final prompts of tools/bench_rag.py (rag_workload.py): a 64-token system prompt, 10
+# documents of 95 tokens after their SSep, and a 31-token task after its PDep, computed.
+RAG_FINAL = Shape(block_attention_markers(10, 6, 2, header_blocks=4), 481, 32, 64 + 10 * 96 + 32)
 BATCHES = {
-    "hit10": (block_attention_markers(10, 63, 4), 1, 50, 16 + 10 * 1008 + 50),
-    "hit40": (block_attention_markers(40, 63, 4), 1, 50, 16 + 40 * 1008 + 50),
-    "epic10": (epic_markers(10, 63, 1, 4), 1, 160 + 50, 16 + 10 * 1008 + 160 + 50),
-    "decode256": (epic_markers(10, 25, 1, 6), 256, 1, 16 + 10 * 400 + 160 + 90),
-    "final481": (block_attention_markers(10, 6, 3), 481, 34, 16 + 10 * 96 + 34),
-    "final481_shared": (block_attention_markers(10, 6, 3), 481, 34, 16 + 10 * 96 + 34, 2000),
+    "hit10": Shape(block_attention_markers(10, 63, 4), 1, 50, 16 + 10 * 1008 + 50),
+    "hit40": Shape(block_attention_markers(40, 63, 4), 1, 50, 16 + 40 * 1008 + 50),
+    "epic10": Shape(epic_markers(10, 63, 1, 4), 1, 160 + 50, 16 + 10 * 1008 + 160 + 50),
+    "decode256": Shape(epic_markers(10, 25, 1, 6), 256, 1, 16 + 10 * 400 + 160 + 90),
+    "final481": RAG_FINAL,
+    "final481_shared": RAG_FINAL._replace(pool=2000),
 }
 
 
 class Batch:
     def __init__(self, name: str, gen: torch.Generator) -> None:
-        markers, reqs, q_len, seq_len, *pool = BATCHES[name]
+        markers, reqs, q_len, seq_len, pool = BATCHES[name]
         blocks = -(-seq_len // BLOCK)
         assert len(markers) >= blocks, name
+        markers = markers[:blocks]
         total = reqs * blocks
         self.k = torch.randn(total, BLOCK, KV_HEADS, HEAD, device="cuda", dtype=DTYPE)
         self.v = torch.randn_like(self.k)
-        self.table = torch.randperm(total, device="cuda").view(reqs, blocks).to(torch.int32)
         span_id = None
-        if pool:
-            table, span_id = shared_documents(reqs, markers[:blocks], pool[0], gen)
-            self.table = table.to("cuda")
+        if pool is None:
+            table = torch.randperm(total, generator=gen).view(reqs, blocks)
+        else:
+            table, span_id = shared_documents(reqs, markers, pool, gen)
+        self.table = table.to("cuda", torch.int32)
         self.q = torch.randn(reqs * q_len, Q_HEADS, HEAD, device="cuda", dtype=DTYPE)
         self.cu = torch.arange(reqs + 1, device="cuda", dtype=torch.int32) * q_len
         self.seq_lens = torch.full((reqs,), seq_len, device="cuda", dtype=torch.int32)
         self.q_len, self.seq_len = q_len, seq_len
-        self.layout_host = marker_layout([markers[:blocks]] * reqs, blocks, BLOCK)
+        self.layout_host = marker_layout([markers] * reqs, blocks, BLOCK)
         self.layout_host.span_id = span_id
         self.layout = self.layout_host.to("cuda")
         self.cos_sin = rope_table(HEAD, 2 * seq_len + 64, device="cuda")
@@ -96,28 +115,31 @@ class Batch:
 
 def shared_documents(reqs: int, markers: str, pool: int, gen: torch.Generator
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's documents drawn (distinct) from `pool` documents whose blocks are the
-    first pool x doc_blocks blocks of the cache: the block table pointing there, the other
-    blocks (header, task) each a block of its own past them, and the span ids Model Runner
-    V2 would give (a document's first id plus the block's place in it)."""
-    blocks = len(markers)
-    starts = [i for i, c in enumerate(markers) if c == "S"]
-    doc_blocks = starts[1] - starts[0]
+    """Each request's documents drawn (distinct) from `pool` documents of `doc_blocks`
+    blocks each: the block table [reqs, blocks] (a document's blocks are the same cache
+    blocks in every request that holds it, every other block is its own; shuffled over the
+    cache as the other batches' tables are) and the span ids Model Runner V2 would give
+    (span_identity.py: the document's first id plus the block's place in it, -1 elsewhere)."""
+    blocks, starts = len(markers), [i for i, c in enumerate(markers) if c == "S"]
+    doc_blocks = markers.index("S", starts[0] + 1) - starts[0] if len(starts) > 1 \
+        else len(markers) - starts[0]
     in_doc = torch.zeros(blocks, dtype=torch.bool)
     for start in starts:
         in_doc[start: start + doc_blocks] = True
     own = int((~in_doc).sum())
     assert pool * doc_blocks + reqs * own <= reqs * blocks, "the cache is too small"
-    table = torch.empty((reqs, blocks), dtype=torch.int32)
     span_id = torch.full((reqs, blocks), -1, dtype=torch.int64)
-    table[:, ~in_doc] = (pool * doc_blocks + torch.arange(reqs * own)).view(reqs, own).int()
     place = torch.arange(doc_blocks)
     for r in range(reqs):
         docs = torch.randperm(pool, generator=gen)[: len(starts)]
         for start, doc in zip(starts, docs.tolist()):
-            table[r, start: start + doc_blocks] = doc * doc_blocks + place
             span_id[r, start: start + doc_blocks] = doc * doc_blocks + place
-    return table, span_id
+    # Cache block numbers before the shuffle: a document block's is its span id (ids are
+    # distinct per document and place), the others' follow the documents'.
+    unshuffled = span_id.clone()
+    unshuffled[:, ~in_doc] = (pool * doc_blocks + torch.arange(reqs * own)).view(reqs, own)
+    shuffle = torch.randperm(reqs * blocks, generator=gen)
+    return shuffle[unshuffled], span_id
 
 
 def launchers(b: Batch, out: torch.Tensor) -> dict:

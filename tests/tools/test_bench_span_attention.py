@@ -1,15 +1,18 @@
 """tools/bench_span_attention.py's batch of shared documents: it must be what the engine
-would run (each document's blocks one set of cache blocks, span ids on span blocks only),
-or the final-step timing measures another batch. The timing itself needs a GPU."""
+would run (each document's blocks one set of cache blocks, span ids on span blocks only,
+as Model Runner V2 gives them), or the final-step timing measures another batch. The
+timing itself needs a GPU."""
 
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from minipic.attention.segment_plan import segment_plan
-from minipic.devtools.paged_attention_case import marker_layout
+from minipic.attention.span_identity import SpanIds
+from minipic.devtools.paged_attention_case import MARKER_TOKENS, marker_layout
 
 _spec = importlib.util.spec_from_file_location(
     "bench_span_attention", Path(__file__).parents[2] / "tools" / "bench_span_attention.py")
@@ -19,41 +22,72 @@ _spec.loader.exec_module(bench)
 BLOCK = bench.BLOCK
 
 
-def batch(name: str):
-    markers, reqs, q_len, seq_len, *pool = bench.BATCHES[name]
-    blocks = -(-seq_len // BLOCK)
-    layout = marker_layout([markers[:blocks]] * reqs, blocks, BLOCK)
-    return markers[:blocks], reqs, q_len, seq_len, pool, layout
+def shape(name: str):
+    found = bench.BATCHES[name]
+    return found._replace(markers=found.markers[: -(-found.seq_len // BLOCK)])
 
 
-def test_shared_documents_alias_only_documents():
-    markers, reqs, _, _, (pool,), layout = batch("final481_shared")
-    table, span_id = bench.shared_documents(reqs, markers, pool, torch.Generator().manual_seed(0))
+def documents(markers: str) -> list[int]:
+    return [i for i, c in enumerate(markers) if c == "S"]
+
+
+def test_documents_share_cache_blocks_exactly_where_span_ids_are_equal():
+    s = shape("final481_shared")
+    table, span_id = bench.shared_documents(s.requests, s.markers, s.pool,
+                                            torch.Generator().manual_seed(0))
     in_span = span_id >= 0
-    assert (layout.span_of[in_span] >= 0).all() and in_span.any(dim=1).all()
-    doc_blocks = pool * 6
-    assert (table[in_span] < doc_blocks).all() and (table[~in_span] >= doc_blocks).all()
-    own = table[~in_span].tolist()
-    assert len(set(own)) == len(own), "a request's own block is another's"
-    # a span id names one cache block wherever the document sits
-    assert torch.equal(table[in_span].long(), span_id[in_span])
-    # a request holds distinct documents, and documents repeat across requests
-    first_blocks = table[:, [i for i, c in enumerate(markers) if c == "S"]] // 6
-    assert all(len(set(row)) == row.numel() for row in first_blocks)
-    assert first_blocks.unique().numel() < first_blocks.numel()
+    layout = marker_layout([s.markers] * s.requests, len(s.markers), BLOCK)
+    assert torch.equal(in_span, layout.span_of >= 0)
+    assert table.max() < s.requests * len(s.markers)  # the batch's cache holds them
+    pairs = set(zip(table.flatten().tolist(), span_id.flatten().tolist()))
+    assert len({block for block, _ in pairs}) == len(pairs)  # a cache block: one span id
+    shared = {(block, ident) for block, ident in pairs if ident >= 0}
+    assert len({ident for _, ident in shared}) == len(shared)  # a span id: one cache block
+    own = table[~in_span].tolist()  # header and task blocks: each a block of its own
+    assert len(set(own)) == len(own) and set(own).isdisjoint(table[in_span].tolist())
+    first = span_id[:, documents(s.markers)]
+    assert all(len(set(row)) == row.numel() for row in first)  # distinct documents a request
+    assert first.unique().numel() < first.numel()  # and shared between requests
+
+
+def test_span_ids_are_model_runner_v2s():
+    """SpanIds.take over the token prompts the table stands for gives ids equal exactly
+    where the bench's are."""
+    s = shape("final481_shared")
+    _, span_id = bench.shared_documents(50, s.markers, 20, torch.Generator().manual_seed(1))
+    rng = np.random.default_rng(0)
+    words = {d: rng.integers(100, 30000, BLOCK) for d in range(20 * 6 * 2)}
+    ssep, pdep = MARKER_TOKENS["S"], MARKER_TOKENS["P"]
+    prompts = []
+    for r in range(50):
+        tokens = []
+        for b, c in enumerate(s.markers):
+            block = words[int(span_id[r, b])] if span_id[r, b] >= 0 else rng.integers(
+                100, 30000, BLOCK)
+            tokens += [MARKER_TOKENS[c], *block[1:]] if c != "-" else list(block)
+        prompts.append(np.array(tokens, dtype=np.int64))
+    ids = SpanIds()
+    theirs = torch.stack([torch.from_numpy(ids.take(p, BLOCK, ssep, {ssep, pdep})[0])
+                          for p in prompts])
+    assert torch.equal(theirs >= 0, span_id >= 0)
+    pairs = set(zip(span_id[span_id >= 0].tolist(), theirs[theirs >= 0].tolist()))
+    assert len({a for a, _ in pairs}) == len({b for _, b in pairs}) == len(pairs)
 
 
 @pytest.mark.parametrize("name", ["final481", "final481_shared"])
 def test_final_step_plan_reads_shared_documents_once(name):
-    markers, reqs, q_len, seq_len, pool, layout = batch(name)
-    if pool:
-        _, layout.span_id = bench.shared_documents(reqs, markers, pool[0],
+    s = shape(name)
+    layout = marker_layout([s.markers] * s.requests, len(s.markers), BLOCK)
+    if s.pool is not None:
+        _, layout.span_id = bench.shared_documents(s.requests, s.markers, s.pool,
                                                    torch.Generator().manual_seed(0))
-    plan = segment_plan(layout, [i * q_len for i in range(reqs + 1)], [seq_len] * reqs, BLOCK)
+    q = s.query_tokens
+    plan = segment_plan(layout, [i * q for i in range(s.requests + 1)],
+                        [s.seq_len] * s.requests, BLOCK)
     span_rows = plan.earlier.cu_seqlens_q.numel() - 1
-    if pool:  # one row per distinct document, holding every request's queries of it
-        assert plan.earlier.max_seqlen_q > q_len
-        assert span_rows == (layout.span_id[:, [i for i, c in enumerate(markers) if c == "S"]]
-                             .unique().numel())
+    if s.pool is not None:  # one row per distinct document, holding every request's queries
+        assert plan.earlier.max_seqlen_q > q
+        assert span_rows == layout.span_id[:, documents(s.markers)].unique().numel()
     else:
-        assert plan.earlier.max_seqlen_q == q_len and span_rows == reqs * markers.count("S")
+        assert plan.earlier.max_seqlen_q == q
+        assert span_rows == s.requests * len(documents(s.markers))
