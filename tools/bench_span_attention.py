@@ -121,8 +121,8 @@ def shared_documents(reqs: int, markers: str, pool: int, gen: torch.Generator
     cache as the other batches' tables are) and the span ids Model Runner V2 would give
     (span_identity.py: the document's first id plus the block's place in it, -1 elsewhere)."""
     blocks, starts = len(markers), [i for i, c in enumerate(markers) if c == "S"]
-    doc_blocks = markers.index("S", starts[0] + 1) - starts[0] if len(starts) > 1 \
-        else len(markers) - starts[0]
+    # every document as long as the first: up to the next marker block
+    doc_blocks = next(i for i in range(starts[0] + 1, blocks) if markers[i] != "-") - starts[0]
     in_doc = torch.zeros(blocks, dtype=torch.bool)
     for start in starts:
         in_doc[start: start + doc_blocks] = True
