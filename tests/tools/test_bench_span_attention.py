@@ -53,19 +53,21 @@ def test_documents_share_cache_blocks_exactly_where_span_ids_are_equal():
 def test_span_ids_are_model_runner_v2s():
     """SpanIds.take over the token prompts the table stands for gives ids equal exactly
     where the bench's are."""
-    s = shape("final481_shared")
-    _, span_id = bench.shared_documents(50, s.markers, 20, torch.Generator().manual_seed(1))
+    s, requests, pool = shape("final481_shared"), 50, 20
+    _, span_id = bench.shared_documents(requests, s.markers, pool,
+                                        torch.Generator().manual_seed(1))
     rng = np.random.default_rng(0)
-    words = {d: rng.integers(100, 30000, BLOCK) for d in range(20 * 6 * 2)}
+    words: dict[int, np.ndarray] = {}  # a span block's tokens, by its id
+
+    def block_tokens(marker: str, ident: int) -> list[int]:
+        body = words.setdefault(ident, rng.integers(100, 30000, BLOCK)) if ident >= 0 \
+            else rng.integers(100, 30000, BLOCK)
+        return list(body) if marker == "-" else [MARKER_TOKENS[marker], *body[1:]]
+
     ssep, pdep = MARKER_TOKENS["S"], MARKER_TOKENS["P"]
-    prompts = []
-    for r in range(50):
-        tokens = []
-        for b, c in enumerate(s.markers):
-            block = words[int(span_id[r, b])] if span_id[r, b] >= 0 else rng.integers(
-                100, 30000, BLOCK)
-            tokens += [MARKER_TOKENS[c], *block[1:]] if c != "-" else list(block)
-        prompts.append(np.array(tokens, dtype=np.int64))
+    prompts = [np.array([t for b, c in enumerate(s.markers)
+                         for t in block_tokens(c, int(span_id[r, b]))], dtype=np.int64)
+               for r in range(requests)]
     ids = SpanIds()
     theirs = torch.stack([torch.from_numpy(ids.take(p, BLOCK, ssep, {ssep, pdep})[0])
                           for p in prompts])
