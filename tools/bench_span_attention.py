@@ -25,7 +25,9 @@ Variants, all on the same cache and queries:
 Times: median of CUDA-event timed launches after warm-up (eager: the rows are not
 captured); `*_host_us`: the host's time to launch one call (what a host-bound step pays
 per layer). Writes results.json and results.md under --out; `--host-profile` adds a
-cProfile of each batch's rows path (`host_profile_<batch>.txt`: where its host time goes).
+cProfile of each batch's rows path (`host_profile_<batch>.txt`: where its host time goes);
+`--kernels` adds each variant's GPU kernels, by time (`kernels_<batch>.txt`: which part of
+a path costs what on the GPU).
 
     tools/gpu_run.sh python3 tools/bench_span_attention.py --out $OUT/span_attention
 """
@@ -222,7 +224,22 @@ def host_profile(fn, repeats: int = 50) -> str:
     return f"{repeats} calls\n" + text.getvalue()
 
 
-def measure(name: str, profile_dir: Path | None = None) -> dict:
+def kernel_table(fn, repeats: int = 20) -> str:
+    """torch.profiler's CUDA kernels of `repeats` calls, by total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return f"{repeats} calls\n" + prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
+
+
+def measure(name: str, profile_dir: Path | None = None, kernels_dir: Path | None = None
+            ) -> dict:
     b = Batch(name, torch.Generator().manual_seed(0))
     outs, row = {}, {"batch": name, "requests": b.cu.numel() - 1, "query_tokens": b.q.shape[0],
                      "seq_len": b.seq_len}
@@ -230,6 +247,9 @@ def measure(name: str, profile_dir: Path | None = None) -> dict:
     if profile_dir is not None:
         (profile_dir / f"host_profile_{name}.txt").write_text(
             host_profile(variants["flash_rows"]))
+    if kernels_dir is not None:
+        (kernels_dir / f"kernels_{name}.txt").write_text("\n\n".join(
+            f"## {variant}\n{kernel_table(fn)}" for variant, fn in variants.items()))
     for variant, fn in variants.items():
         row[f"{variant}_ms"] = round(time_ms(fn), 4)
         outs[variant] = out.clone()
@@ -247,11 +267,14 @@ def main() -> None:
     parser.add_argument("--batches", nargs="*", default=sorted(BATCHES))
     parser.add_argument("--host-profile", action="store_true",
                         help="cProfile each batch's rows path into --out")
+    parser.add_argument("--kernels", action="store_true",
+                        help="each variant's GPU kernels by time, into --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.batches:
-        rows.append(measure(name, args.out if args.host_profile else None))
+        rows.append(measure(name, args.out if args.host_profile else None,
+                            args.out if args.kernels else None))
         print(json.dumps(rows[-1]), flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     (args.out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
