@@ -235,7 +235,7 @@ def kernel_table(fn, repeats: int = 20) -> str:
             fn()
         torch.cuda.synchronize()
     return f"{repeats} calls\n" + prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
+        sort_by="device_time_total", row_limit=12, max_name_column_width=60)
 
 
 def measure(name: str, profile_dir: Path | None = None, kernels_dir: Path | None = None

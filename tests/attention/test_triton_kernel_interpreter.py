@@ -449,6 +449,18 @@ def test_backend_forward_matches_reference(interpreter_errors, name):
     assert err < TOLERANCE["float16"], f"{name}: relative error {err:.2e}"
 
 
+def test_short_queries_launch_prefill_q_blocks():
+    """An ISPS step of final prompts (32-token queries, 4 query heads a KV head) launches
+    q-blocks that hold a whole query: each request's keys are read and turned once a KV
+    head, not once every 4 tokens (DECODE_2D's q-blocks: 12.7x FA3 on that step)."""
+    pytest.importorskip("triton")
+    from minipic.attention import triton_kernel as tk
+
+    assert tk.choose_config(32, False, 128) is tk.PREFILL
+    assert tk.PREFILL.block_m // 4 >= 32
+    assert tk.choose_config(1, False, 128) is tk.DECODE_2D
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
     results: dict[str, float | str] = {}

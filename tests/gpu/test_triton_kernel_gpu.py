@@ -24,9 +24,9 @@ pytestmark = [
 
 # (query_lens, context_lens) per batch kind
 BATCHES = {
-    # longest query >= PREFILL_MIN_QUERY_LEN: the large-q-block prefill launch
+    # longest query >= SPLIT_MAX_QUERY_LEN: the large-q-block prefill launch, never split
     "mixed_long": ([1, 200, 37, 1, 150], [50, 133, 0, 1000, 0]),
-    # short chunks with decodes: the stock-shaped 2D launch
+    # short chunks with decodes: prefill's 2D launch (decodes alone take 16-row q-blocks)
     "mixed_short": ([1, 5, 17, 1], [300, 20, 0, 64]),
     # few decodes: split-KV (3D) launch + segment reduction
     "decode_split": ([1, 1, 1], [1000, 31, 4097]),
@@ -116,7 +116,7 @@ def test_short_queries_split_kv(query_lens, context_lens, dtype):
     case = make_case(query_lens, context_lens, num_q_heads=32, num_kv_heads=8, head_size=128,
                      dtype=dtype, device="cuda")
     assert tk._split_short_queries(case.max_seqlen_q, case.q.shape[0], len(query_lens), 4, 8,
-                                   tk.SPLIT_KV_MAX_TOKENS)
+                                   tk.SPLIT_KV_MAX_TOKENS, 128)
     assert tk.choose_config(case.max_seqlen_q, True, 128) is tk.SHORT_SPLIT
     out = run_minipic(case, buffer_tokens=tk.SPLIT_KV_MAX_TOKENS)
     assert relative_error(out, reference_attention(case)) < TOLERANCE[dtype]
