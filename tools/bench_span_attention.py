@@ -238,17 +238,16 @@ def kernel_table(fn, repeats: int = 20) -> str:
         sort_by="device_time_total", row_limit=12, max_name_column_width=60)
 
 
-def measure(name: str, profile_dir: Path | None = None, kernels_dir: Path | None = None
+def measure(name: str, out_dir: Path, host_profile_too: bool = False, kernels_too: bool = False
             ) -> dict:
     b = Batch(name, torch.Generator().manual_seed(0))
     outs, row = {}, {"batch": name, "requests": b.cu.numel() - 1, "query_tokens": b.q.shape[0],
                      "seq_len": b.seq_len}
     variants = launchers(b, out := torch.empty_like(b.q))
-    if profile_dir is not None:
-        (profile_dir / f"host_profile_{name}.txt").write_text(
-            host_profile(variants["flash_rows"]))
-    if kernels_dir is not None:
-        (kernels_dir / f"kernels_{name}.txt").write_text("\n\n".join(
+    if host_profile_too:
+        (out_dir / f"host_profile_{name}.txt").write_text(host_profile(variants["flash_rows"]))
+    if kernels_too:
+        (out_dir / f"kernels_{name}.txt").write_text("\n\n".join(
             f"## {variant}\n{kernel_table(fn)}" for variant, fn in variants.items()))
     for variant, fn in variants.items():
         row[f"{variant}_ms"] = round(time_ms(fn), 4)
@@ -273,8 +272,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.batches:
-        rows.append(measure(name, args.out if args.host_profile else None,
-                            args.out if args.kernels else None))
+        rows.append(measure(name, args.out, args.host_profile, args.kernels))
         print(json.dumps(rows[-1]), flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     (args.out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))

@@ -473,6 +473,11 @@ def choose_config(max_seqlen_q: int, use_3d: bool, head_size: int = 128) -> Laun
     return PREFILL_LARGE_HEAD if large_head else PREFILL
 
 
+def _q_block_rows(config: LaunchConfig, queries_per_kv: int) -> int:
+    """A q-block's rows (BLOCK_M): the config's, at least one token's query heads."""
+    return max(config.block_m, triton.next_power_of_2(queries_per_kv))
+
+
 def _num_q_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
     """Upper bound on sum_i ceil(q_len_i / block_q), known without a device read."""
     return num_tokens // block_q + num_seqs
@@ -491,8 +496,8 @@ def _split_short_queries(max_seqlen_q: int, num_tokens: int, num_seqs: int, quer
     if max_seqlen_q <= 1 or max_seqlen_q >= SPLIT_MAX_QUERY_LEN or num_tokens > buffer_tokens:
         return False
     # the q-blocks of the 2D launch it would otherwise take
-    block_m = choose_config(max_seqlen_q, False, head_size).block_m
-    block_q = max(block_m, triton.next_power_of_2(queries_per_kv)) // queries_per_kv
+    block_q = _q_block_rows(choose_config(max_seqlen_q, False, head_size),
+                            queries_per_kv) // queries_per_kv
     return _num_q_blocks(num_tokens, num_seqs, block_q) * num_kv_heads <= MIN_GRID_2D
 
 
@@ -572,7 +577,7 @@ def unified_attention_rope(
                                 num_kv_heads, split_output.shape[0], head_size))
     if config is None:
         config = choose_config(max_seqlen_q, use_3d, head_size)
-    block_m = max(config.block_m, triton.next_power_of_2(queries_per_kv))
+    block_m = _q_block_rows(config, queries_per_kv)
     block_q = block_m // queries_per_kv
     num_q_blocks = _num_q_blocks(num_tokens, num_seqs, block_q)
     head_size_padded = triton.next_power_of_2(head_size)
