@@ -2,10 +2,11 @@
 prompts taking turns, so that the host's drift over a run (stock's own full prefix hit moved
 from 33 to 50 ms within one phase on the H200) and between hosts weighs on both alike.
 
-Both engines share the GPU and are started before anything is timed. Stock keeps one prompt
-at a time (STOCK_SHARE of the usual memory share); minipic's engine gets the rest, and must
-hold every timed prompt's documents in GPU memory: a hit served from the CPU tier is not a
-GPU hit (ttft_phases.check_gpu_holds refuses the run instead). Then for each timed prompt:
+Both engines share the GPU and are started before anything is timed. Stock's KV cache is
+sized to what it keeps (one prompt at a time, see stock_kv_bytes); minipic's engine gets the
+rest of the usual memory share, and must hold every timed prompt's documents in GPU memory: a
+hit served from the CPU tier is not a GPU hit (ttft_phases.check_gpu_holds refuses the run
+instead). Then for each timed prompt:
 stock's recompute of its final prompt, its rerun (stock's own full prefix hit), stock on the
 same documents with a new question, and minipic's hit on the same documents. The results are
 the two phases' ("stock", "gpu-hit"), tagged `paired`.
@@ -13,22 +14,27 @@ the two phases' ("stock", "gpu-hit"), tagged `paired`.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from minipic.devtools.ttft_phases import (Phase, check_gpu_holds, phase_result, start_engine,
                                           time_final, warm_up)
 
-# Stock's part of the usual GPU memory share: on the 8B model (0.85 of an H200) its weights
-# and a 40-document prompt's blocks, twice over; the other 0.7 holds minipic's documents.
-STOCK_SHARE = 0.3
+# Stock's memory request at start-up (vLLM refuses a start whose share exceeds the free
+# memory); with kv_cache_memory_bytes given, its KV cache does not follow this share.
+STOCK_REQUEST = 0.25
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def run_paired(model: str, engine: dict, connector: dict, load: dict) -> list[dict]:
     share = engine["gpu_memory_utilization"]
     stock_llm, stock = start_engine(
         Phase("stock", "stock", minipic=False), model,
-        dict(engine, gpu_memory_utilization=share * STOCK_SHARE), connector)
+        dict(engine, gpu_memory_utilization=share * STOCK_REQUEST,
+             kv_cache_memory_bytes=stock_kv_bytes(model, engine, load)), connector)
     hit_llm, hit = start_engine(
         Phase("gpu-hit", "gpu-hit"), model,
-        dict(engine, gpu_memory_utilization=share * (1 - STOCK_SHARE)), connector)
+        dict(engine, gpu_memory_utilization=share - gpu_used_fraction()), connector)
     check_gpu_holds(hit_llm, load, engine["block_size"])
     warm_up(hit, load, "gpu-hit", connector)
     warm_up(stock, load, "stock", connector)
@@ -43,3 +49,30 @@ def run_paired(model: str, engine: dict, connector: dict, load: dict) -> list[di
     hit_llm.llm_engine.engine_core.shutdown()  # the disk tier finishes its writes
     return [phase_result("stock", stock_points, paired=True),
             phase_result("gpu-hit", hit_points, paired=True)]
+
+
+def stock_kv_bytes(model: str, engine: dict, load: dict) -> int:
+    """Stock's KV cache: max_model_len tokens (vLLM's minimum) and its longest prompt again,
+    so that a prompt's rerun and new question find it cached. A fixed share of an 80 GB card
+    left stock less KV than one max_model_len request."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = (2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+                 * DTYPE_BYTES[engine["dtype"]])
+    longest = max(len(final) for _, final in load["finals"]["stock"])
+    blocks = -(-(engine["max_model_len"] + longest) // engine["block_size"])
+    return blocks * engine["block_size"] * per_token
+
+
+def gpu_used_fraction() -> float:
+    """The GPU memory in use (stock's engine, started first), as a fraction of the card: the
+    part of the usual share minipic's engine must leave. NVML, not torch: a CUDA context in
+    this process would make vLLM spawn instead of fork its next engine."""
+    from vllm.third_party import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return info.used / info.total
+    finally:
+        pynvml.nvmlShutdown()

@@ -85,3 +85,21 @@ def test_a_gpu_hit_phase_whose_cache_cannot_hold_its_documents_is_refused():
     check_gpu_holds(engine_with(needed), load, block)
     with pytest.raises(GpuTooSmallError, match=f"holds {needed - 1} blocks .* need {needed}"):
         check_gpu_holds(engine_with(needed - 1), load, block)
+
+
+def test_paired_stock_kv_holds_one_max_length_request_and_its_prompt(tmp_path):
+    """A fixed 0.3 of the share left stock 3.24 GiB of KV on an 80 GB card, less than one
+    max_model_len request of the 8B model (4 GiB at 32768 tokens): vLLM refused the start."""
+    from minipic.devtools import llama3_8b
+    from minipic.devtools.bench_setup import make_model
+    from minipic.devtools.ttft_paired import stock_kv_bytes
+
+    model, engine, markers = make_model("llama3-8b", tmp_path)
+    load = workload("llama3-8b", [10], 1000, 1, engine["block_size"], markers, ["stock"])
+    longest = max(len(final) for _, final in load["finals"]["stock"])
+    config = llama3_8b.CONFIG
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 128 * 2
+    tokens = stock_kv_bytes(model, engine, load) / per_token
+    assert tokens % engine["block_size"] == 0
+    assert engine["max_model_len"] + longest <= tokens < engine["max_model_len"] + longest + 16
+    assert tokens * per_token / 2**30 < 6  # GiB: weights and this fit beside minipic's share
