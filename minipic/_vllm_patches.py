@@ -103,12 +103,13 @@ from typing import Any, Callable
 
 from minipic.config import (CONFIG_KEY, CONNECTOR_NAME, check_option_keys, is_enabled,
                             mask_markers, server_recipe, span_attention, span_protocol_of,
-                            span_scale)
+                            span_scale, switch_interval_ms)
 from minipic.hashing.block_hasher import check_hash_algo
 from minipic.marker_checks import check_markers_fit_model
 from minipic.protocol import MisplacedMarkerError, SpanProtocol
 from minipic.request_errors import MisplacedMarkerRequestError
 from minipic.support import check_supported
+from minipic.switch_interval import apply_switch_interval
 
 # A child of vLLM's logger, so it shares vLLM's handlers and format.
 logger = logging.getLogger("vllm.minipic")
@@ -199,6 +200,7 @@ def _prepare_config(vllm_config: Any) -> SpanProtocol:
     span_attention(vllm_config)  # and bad `span_attention` or `mask_markers` values, before
     mask_markers(vllm_config)  # an engine process reads them
     _check_span_scale(vllm_config)
+    switch_interval_ms(vllm_config)
     protocol = span_protocol_of(vllm_config)
     check_markers_fit_model(protocol, vllm_config)
     if not isinstance(vllm_config.additional_config, dict):
@@ -236,6 +238,7 @@ def _patch_engine_core_kv_init() -> None:
                 _prepare_config(vllm_config) if is_enabled(vllm_config) else None)
             if _engine_core_protocol is not None:
                 logger.info("minipic on: span protocol %s", _engine_core_protocol.to_dict())
+                apply_switch_interval(vllm_config)
             return original(self, vllm_config, *args, **kwargs)
         return _initialize_kv_caches
 
@@ -315,6 +318,7 @@ def _register_runner_after_init(original):
                             span_scale(vllm_config))
             _forget_cached_ropes()
             reset_rope()
+            apply_switch_interval(vllm_config)  # a worker process of its own, or the core's
     return __init__
 
 

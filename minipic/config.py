@@ -22,7 +22,9 @@ the default (each document's first 64 tokens recomputed, in whole blocks), "epic
 (two blocks), "epic" (one) or "block_attention"; see minipic/serving/chat_documents.py), `span_attention` (CUDA,
 fp16/bf16 models: "flash", the default, attends span batches with vLLM's own
 FlashAttention, one call per frame merged by log-sum-exp; "triton" with minipic's
-span kernel, which mask_markers batches always take). Any other
+span kernel, which mask_markers batches always take), `switch_interval_ms` (the
+GIL's switch interval in the engine processes, 0.2 by default, null for Python's 5;
+see minipic/switch_interval.py). Any other
 key in the `additional_config` section is refused at start-up (a typo would
 otherwise silently leave a default in force).
 """
@@ -48,7 +50,7 @@ def connector_config(options: Mapping[str, Any] | None = None) -> dict[str, Any]
 # span protocol's fields (so a marker added there is allowed here) and the switch.
 ENGINE_OPTION_KEYS = frozenset(
     {"enabled", "mask_markers", "recipe", "span_attention", "span_scale",
-     *(field.name for field in dataclasses.fields(SpanProtocol))})
+     "switch_interval_ms", *(field.name for field in dataclasses.fields(SpanProtocol))})
 
 # Span prompts the API server can build from chat `documents` (option `recipe`), the names
 # of client.prompts.recipes.RECIPES_BY_NAME (not imported here: the client package is slow
@@ -138,6 +140,22 @@ def span_attention(vllm_config: Any) -> str:
         raise ValueError(f"{CONFIG_KEY}.span_attention must be one of "
                          f"{', '.join(map(repr, SPAN_ATTENTION))}, got {value!r}")
     return value
+
+
+# The GIL's switch interval in minipic's engine processes, where a step's host calls stop
+# waiting on the input thread without slowing it (minipic/switch_interval.py).
+DEFAULT_SWITCH_INTERVAL_MS = 0.2
+
+
+def switch_interval_ms(vllm_config: Any) -> float | None:
+    """Option `switch_interval_ms`: a positive number, or None for Python's own interval."""
+    value = (minipic_options(vllm_config) or {}).get("switch_interval_ms",
+                                                     DEFAULT_SWITCH_INTERVAL_MS)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not value > 0):
+        raise ValueError(f"{CONFIG_KEY}.switch_interval_ms must be a positive number of "
+                         f"milliseconds or null (Python's own), got {value!r}")
+    return None if value is None else float(value)
 
 
 def check_recipe(value: Any, where: str) -> str:

@@ -129,7 +129,10 @@ def test_unknown_minipic_option_is_refused(tiny_model):
 @pytest.mark.parametrize("option,value", [("span_attention", "fa3"), ("recipe", "epic3"),
                                           ("mask_markers", "yes"), ("span_scale", "half"),
                                           ("span_scale", 0), ("span_scale", 1.5),
-                                          ("span_scale", True)])
+                                          ("span_scale", True),
+                                          ("switch_interval_ms", 0),
+                                          ("switch_interval_ms", "fast"),
+                                          ("switch_interval_ms", True)])
 def test_bad_option_values_are_refused(tiny_model, option, value):
     with pytest.raises(ValueError, match=f"minipic.{option} must be"):
         start_llm(tiny_model, additional_config={"minipic": {option: value}})

@@ -22,17 +22,23 @@ STEPS = 8
 
 def greedy_run(model: str, **overrides):
     expect_patched = overrides.pop("expect_patched", True)
+    # The engine's GIL switch interval in seconds (None: not checked; "off" inherits
+    # whatever this process has)
+    expect_switch_s = overrides.pop("expect_switch_s", None)
     with _env(VLLM_ALLOW_INSECURE_SERIALIZATION="1"):  # collective_rpc of a test function
-        return _greedy_run(model, expect_patched, **overrides)
+        return _greedy_run(model, expect_patched, expect_switch_s, **overrides)
 
 
-def _greedy_run(model: str, expect_patched: bool, **overrides):
+def _greedy_run(model: str, expect_patched: bool, expect_switch_s: float | None,
+                **overrides):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = start_llm(model, **overrides)
     try:
         assert llm.collective_rpc(_rope_init_is_patched) == [expect_patched]
+        if expect_switch_s is not None:
+            assert llm.collective_rpc(_switch_interval) == [pytest.approx(expect_switch_s)]
         params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=0)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
                             use_tqdm=False)
@@ -53,6 +59,12 @@ def _rope_init_is_patched(worker) -> bool:
     return hasattr(RotaryEmbeddingBase.__init__, "__minipic_original__")
 
 
+def _switch_interval(worker) -> float:
+    import sys
+
+    return sys.getswitchinterval()
+
+
 @contextlib.contextmanager
 def _env(**values: str):
     saved = {k: os.environ.get(k) for k in values}
@@ -71,7 +83,7 @@ def _env(**values: str):
 def stock(tiny_model):
     # Engine processes load no plugin at all, and start from a fresh interpreter.
     with _env(VLLM_PLUGINS="no-plugin", VLLM_WORKER_MULTIPROC_METHOD="spawn"):
-        return greedy_run(tiny_model, expect_patched=False)
+        return greedy_run(tiny_model, expect_patched=False, expect_switch_s=0.005)
 
 
 def test_off_equals_stock_exactly(tiny_model, stock):
@@ -79,7 +91,8 @@ def test_off_equals_stock_exactly(tiny_model, stock):
 
 
 def test_on_without_markers_equals_stock(tiny_model, stock):
-    on = greedy_run(tiny_model, **MINIPIC_ON)
+    # minipic's GIL switch interval (minipic/switch_interval.py), stock's Python default
+    on = greedy_run(tiny_model, **MINIPIC_ON, expect_switch_s=0.0002)
     for (tokens, logprobs, cached), (s_tokens, s_logprobs, s_cached) in zip(on, stock):
         assert tokens == s_tokens
         assert cached == s_cached  # same hashes: the same prefix-cache hits

@@ -9,7 +9,12 @@ drawn from a pool, `--new` of the `--rows` rows replaced each step, `--prefill-s
 them by a document's span prefilled alone (ISPS at repeat rate 0.9 sends about as many of
 those as final prompts).
 
+`--busy-thread` runs a Python-bound thread beside the step, as the engine core's input
+thread is while it hashes arriving requests, and `--switch-interval-ms` sets the GIL's
+switch interval (minipic/switch_interval.py; Python's own is 5 ms).
+
     .venv/bin/python tools/bench_host_layout.py --rows 1024 --new 180 --steps 30
+    .venv/bin/python tools/bench_host_layout.py --busy-thread --switch-interval-ms 5
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +72,10 @@ def main() -> None:
     for row in rows.tolist():
         prompts.add(row, prompt())
     longest = max(prompts.blocks(rows, args.block_size, 1, span_ids=False)[2]) + args.block_size
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
+    if args.busy_thread:
+        threading.Thread(target=_hold_the_gil, daemon=True).start()
     adds, layouts = [], []
     for step in range(args.steps + 1):
         new = {row: prompt() for row in rng.sample(range(args.rows), args.new)}
@@ -79,9 +89,19 @@ def main() -> None:
             layouts.append(time.perf_counter() - added)
     result = {"rows": args.rows, "new_per_step": args.new, "steps": args.steps,
               "docs": args.docs, "prefill_share": args.prefill_share,
+              "busy_thread": args.busy_thread,
+              "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
               "median_add_ms": round(statistics.median(adds) * 1e3, 3),
               "median_layout_ms": round(statistics.median(layouts) * 1e3, 3)}
     print(json.dumps(result))
+
+
+def _hold_the_gil() -> None:
+    """Pure Python for ever: it gives the GIL up only when the switch interval asks it to."""
+    x = 0
+    while True:
+        for i in range(1000):
+            x = hash((i, x))
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,6 +117,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pool", type=int, default=400, help="distinct documents")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--busy-thread", action="store_true",
+                        help="a Python-bound thread beside the step (an input thread hashing)")
+    parser.add_argument("--switch-interval-ms", type=float,
+                        help="the GIL's switch interval (default: Python's, 5 ms)")
     return parser.parse_args()
 
 
