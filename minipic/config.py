@@ -142,19 +142,23 @@ def span_attention(vllm_config: Any) -> str:
     return value
 
 
-# The GIL's switch interval in minipic's engine processes, where a step's host calls stop
-# waiting on the input thread without slowing it (minipic/switch_interval.py).
+# The GIL's switch interval in minipic's engine processes: a step's host calls wait a
+# tenth as long on the input thread as at Python's 5 ms (minipic/switch_interval.py).
 DEFAULT_SWITCH_INTERVAL_MS = 0.2
+# Python rounds the interval to microseconds: below one it would be 0.
+MIN_SWITCH_INTERVAL_MS = 0.001
 
 
 def switch_interval_ms(vllm_config: Any) -> float | None:
-    """Option `switch_interval_ms`: a positive number, or None for Python's own interval."""
+    """Option `switch_interval_ms`: milliseconds (at least MIN_SWITCH_INTERVAL_MS, finite),
+    or None for Python's own interval."""
     value = (minipic_options(vllm_config) or {}).get("switch_interval_ms",
                                                      DEFAULT_SWITCH_INTERVAL_MS)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not value > 0):
-        raise ValueError(f"{CONFIG_KEY}.switch_interval_ms must be a positive number of "
-                         f"milliseconds or null (Python's own), got {value!r}")
+                              or not MIN_SWITCH_INTERVAL_MS <= value < float("inf")):
+        raise ValueError(f"{CONFIG_KEY}.switch_interval_ms must be a number of milliseconds "
+                         f"from {MIN_SWITCH_INTERVAL_MS} (finite), or null for Python's own, "
+                         f"got {value!r}")
     return None if value is None else float(value)
 
 

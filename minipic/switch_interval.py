@@ -21,7 +21,12 @@ from minipic.config import switch_interval_ms
 
 
 def apply_switch_interval(vllm_config: Any) -> None:
-    """In an engine process that runs minipic (engine core, worker): its switch interval."""
+    """In a process of minipic's engine (the engine core, where the input thread runs
+    beside the scheduler, and each worker, whose step builds the span batches): its switch
+    interval. Not where the engine core runs in the user's own process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): that process is the user's, and has no input thread."""
+    from vllm import envs
+
     interval = switch_interval_ms(vllm_config)
-    if interval is not None:
+    if interval is not None and envs.VLLM_ENABLE_V1_MULTIPROCESSING:
         sys.setswitchinterval(interval / 1000)

@@ -132,7 +132,9 @@ def test_unknown_minipic_option_is_refused(tiny_model):
                                           ("span_scale", True),
                                           ("switch_interval_ms", 0),
                                           ("switch_interval_ms", "fast"),
-                                          ("switch_interval_ms", True)])
+                                          ("switch_interval_ms", True),
+                                          ("switch_interval_ms", 1e-9),
+                                          ("switch_interval_ms", float("inf"))])
 def test_bad_option_values_are_refused(tiny_model, option, value):
     with pytest.raises(ValueError, match=f"minipic.{option} must be"):
         start_llm(tiny_model, additional_config={"minipic": {option: value}})

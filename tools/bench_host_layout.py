@@ -72,7 +72,7 @@ def main() -> None:
     for row in rows.tolist():
         prompts.add(row, prompt())
     longest = max(prompts.blocks(rows, args.block_size, 1, span_ids=False)[2]) + args.block_size
-    if args.switch_interval_ms:
+    if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     if args.busy_thread:
         threading.Thread(target=_hold_the_gil, daemon=True).start()

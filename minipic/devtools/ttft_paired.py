@@ -34,7 +34,7 @@ def run_paired(model: str, engine: dict, connector: dict, load: dict) -> list[di
              kv_cache_memory_bytes=stock_kv_bytes(model, engine, load)), connector)
     hit_llm, hit = start_engine(
         Phase("gpu-hit", "gpu-hit"), model,
-        dict(engine, gpu_memory_utilization=share - gpu_used_fraction()), connector)
+        dict(engine, gpu_memory_utilization=hit_share(share, gpu_used_fraction())), connector)
     check_gpu_holds(hit_llm, load, engine["block_size"])
     warm_up(hit, load, "gpu-hit", connector)
     warm_up(stock, load, "stock", connector)
@@ -64,15 +64,27 @@ def stock_kv_bytes(model: str, engine: dict, load: dict) -> int:
     return blocks * engine["block_size"] * per_token
 
 
+def hit_share(share: float, used: float) -> float:
+    """minipic's engine's memory share: the usual share less what is in use (stock's
+    engine), as vLLM's start-up check counts it against the free memory."""
+    if used >= share:
+        raise RuntimeError(
+            f"--paired: stock's engine already takes {used:.2f} of the GPU, the whole usual "
+            f"share of {share:.2f}; minipic's engine has no room (time fewer --docs)")
+    return share - used
+
+
 def gpu_used_fraction() -> float:
-    """The GPU memory in use (stock's engine, started first), as a fraction of the card: the
-    part of the usual share minipic's engine must leave. NVML, not torch: a CUDA context in
-    this process would make vLLM spawn instead of fork its next engine."""
+    """The GPU memory in use (stock's engine, started first), as a fraction of the card the
+    engines run on (the first visible one). NVML, not torch: a CUDA context in this process
+    would make vLLM spawn instead of fork its next engine."""
+    from vllm.platforms import current_platform
     from vllm.third_party import pynvml
 
     pynvml.nvmlInit()
     try:
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+        index = current_platform.visible_device_id_to_physical_device_id(0)
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
         return info.used / info.total
     finally:
         pynvml.nvmlShutdown()

@@ -103,3 +103,11 @@ def test_paired_stock_kv_holds_one_max_length_request_and_its_prompt(tmp_path):
     assert tokens % engine["block_size"] == 0
     assert engine["max_model_len"] + longest <= tokens < engine["max_model_len"] + longest + 16
     assert tokens * per_token / 2**30 < 6  # GiB: weights and this fit beside minipic's share
+
+
+def test_paired_hit_engine_gets_the_share_stock_leaves():
+    from minipic.devtools.ttft_paired import hit_share
+
+    assert hit_share(0.85, 0.25) == pytest.approx(0.60)
+    with pytest.raises(RuntimeError, match="already takes 0.90 of the GPU.*share of 0.85"):
+        hit_share(0.85, 0.90)
