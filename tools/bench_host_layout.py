@@ -9,7 +9,8 @@ drawn from a pool, `--new` of the `--rows` rows replaced each step, `--prefill-s
 them by a document's span prefilled alone (ISPS at repeat rate 0.9 sends about as many of
 those as final prompts).
 
-`--busy-thread` runs a Python-bound thread beside the step, as the engine core's input
+`--new-rows-prefill` lays the step out as an engine does: the new rows prefill (no span
+ids: only decoding rows share documents), the others decode. `--busy-thread` runs a Python-bound thread beside the step, as the engine core's input
 thread is while it hashes arriving requests, and `--switch-interval-ms` sets the GIL's
 switch interval (minipic/switch_interval.py; Python's own is 5 ms).
 
@@ -83,12 +84,19 @@ def main() -> None:
         for row, tokens in new.items():
             prompts.add(row, tokens)
         added = time.perf_counter()
-        span_layout.current_layout(args.rows, args.block_size, longest)
+        # the new rows prefill this step (their queries longer than a token), the others
+        # decode: only decoding rows get span ids (span_layout.current_layout)
+        decoding = None
+        if args.new_rows_prefill:
+            decoding = np.ones(args.rows, dtype=bool)
+            decoding[list(new)] = False
+        span_layout.current_layout(args.rows, args.block_size, longest, decoding)
         if step:  # step 0 fills every row once
             adds.append(added - start)
             layouts.append(time.perf_counter() - added)
     result = {"rows": args.rows, "new_per_step": args.new, "steps": args.steps,
               "docs": args.docs, "prefill_share": args.prefill_share,
+              "new_rows_prefill": args.new_rows_prefill,
               "busy_thread": args.busy_thread,
               "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
               "median_add_ms": round(statistics.median(adds) * 1e3, 3),
@@ -117,6 +125,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pool", type=int, default=400, help="distinct documents")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--new-rows-prefill", action="store_true",
+                        help="the new rows prefill this step and the others decode, as in an "
+                             "engine step (default: every row is laid out as decoding, span "
+                             "ids for all)")
     parser.add_argument("--busy-thread", action="store_true",
                         help="a Python-bound thread beside the step (an input thread hashing)")
     parser.add_argument("--switch-interval-ms", type=float,

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (
@@ -165,7 +166,8 @@ class SpanBatchBuilder:
         real_reqs = 0 if self._capturing else graph_step()
         if self.full_graphs and real_reqs is not None:
             return self._graph_build(metadata, m, real_reqs)
-        layout = current_layout(m.num_reqs, self.block_size, m.max_seq_len)
+        decoding = np.diff(m.query_start_loc_cpu[: m.num_reqs + 1].numpy()) == 1
+        layout = current_layout(m.num_reqs, self.block_size, m.max_seq_len, decoding)
         has_spans = layout is not None and not layout.is_plain()
         metadata.minipic_tables = metadata.minipic_quiet_bits = None
         metadata.minipic_rows = None

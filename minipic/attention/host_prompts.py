@@ -136,22 +136,26 @@ class HostPrompts:
             found = derived[key] = compute(self._array(row))
         return found
 
-    def blocks(self, rows: np.ndarray, block_size: int, blocks: int, span_ids: bool = True
+    def blocks(self, rows: np.ndarray, block_size: int, blocks: int,
+               span_ids: bool | np.ndarray = True
                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """[len(rows), blocks] first token of each prompt block (-1 past the prompt,
-        never a marker) and, with `span_ids`, its span id (span_identity.NO_ID outside
-        spans; else None), and [len(rows)] prompt lengths."""
+        never a marker); the span id of each block (span_identity.NO_ID outside spans) of
+        the rows `span_ids` names (True: all, else a [len(rows)] bool mask; the others'
+        are NO_ID), None when it names none; and [len(rows)] prompt lengths."""
         table = self._tables.setdefault(block_size, _BlockTable())
-        listed = rows.tolist()
-        for row in listed:
+        for row in rows.tolist():
             if row not in table.has_firsts:
                 self._fill_firsts(table, row, block_size)
+        wanted = np.ones(rows.size, dtype=bool) if span_ids is True else \
+            np.zeros(rows.size, dtype=bool) if span_ids is False else span_ids
         ids = None
-        if span_ids:
-            for row in listed:
+        if wanted.any():
+            for row in rows[wanted].tolist():
                 if row not in table.has_ids:
                     self._fill_ids(table, row, block_size)
             ids = _gather(table.ids, rows, blocks, NO_ID)
+            ids[~wanted] = NO_ID
         return _gather(table.firsts, rows, blocks, -1), ids, self._lengths[rows]
 
     def _fill_firsts(self, table: _BlockTable, row: int, block_size: int) -> None:

@@ -292,18 +292,25 @@ def quiet_keys(tokens: torch.Tensor, protocol: SpanProtocol) -> torch.Tensor:
     return torch.isin(tokens, ids)
 
 
-def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = None
-                   ) -> SpanLayout | None:
+def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = None,
+                   decoding: np.ndarray | None = None) -> SpanLayout | None:
     """The SpanLayout of the batch being built; None if unknown (dummy runs).
 
     `max_seq_len`: the batch's longest sequence (or a bound on it). The runner's token
     rows are max_model_len wide; the layout needs the batch's blocks only (mask_markers'
     per token tables would otherwise cost max_model_len per request, every step).
+    `decoding` [num_reqs] bool: the rows whose query is one token this step, the only ones
+    given span ids (None: every row). Reading a shared document once saves a decode row
+    its keys, which are its whole cost; a longer query's cost is its copies, one per
+    document (the ISPS final-prompt step took 3.01 ms a layer with its documents shared,
+    2.89 without, docs/attention.md), and a new prompt's ids cost hashing all its spans on
+    the step's host time (480 new prompts among 1024 rows: 45 ms of layout, 27 with ids for
+    the decoding rows only; tools/bench_host_layout.py --new-rows-prefill).
     On the host, but for Model Runner V2 with mask_markers (whose quiet keys include
     generated tokens, which only the GPU's table holds)."""
     width = None if max_seq_len is None else -(-max_seq_len // block_size) * block_size
     if not _mask_markers:
-        layout = _host_layout(num_reqs, block_size, width)
+        layout = _host_layout(num_reqs, block_size, width, decoding)
         if layout is not None:
             return layout
     found = _token_rows(num_reqs, width)
@@ -316,7 +323,8 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
     return layout
 
 
-def _host_layout(num_reqs: int, block_size: int, width: int | None) -> SpanLayout | None:
+def _host_layout(num_reqs: int, block_size: int, width: int | None,
+                 decoding: np.ndarray | None = None) -> SpanLayout | None:
     """MRV2: the batch's layout from the runner's host copy of its prompts
     (attention.host_prompts); None on the V1 runner (its table is on the host already) and
     before the first real batch. The layout depends on the prompts and the batch's width
@@ -332,14 +340,15 @@ def _host_layout(num_reqs: int, block_size: int, width: int | None) -> SpanLayou
     # Decoding sequences cross a block every block_size steps: a layout some blocks wider
     # than the batch needs serves the steps after it too (the plan steps on over it).
     blocks = -(-width // (block_size * HOST_LAYOUT_BLOCK_STEP)) * HOST_LAYOUT_BLOCK_STEP
-    key = (prompts, prompts.generation, rows.tobytes(), block_size, blocks)
+    # one request shares with no one: its spans' ids are not worth their hashing
+    share = (num_reqs > 1) & (np.ones(num_reqs, dtype=bool) if decoding is None
+                              else np.asarray(decoding[:num_reqs], dtype=bool))
+    key = (prompts, prompts.generation, rows.tobytes(), block_size, blocks, share.tobytes())
     if _last_host_layout is not None and _last_host_layout[0] == key:
         return _last_host_layout[1]
     if not prompts.holds(rows):
         return None  # not a batch of running requests (a dummy run): the runner's table
-    # one request shares with no one: its spans' ids are not worth their hashing
-    firsts, span_ids, prompt_lens = prompts.blocks(rows, block_size, blocks,
-                                                   span_ids=num_reqs > 1)
+    firsts, span_ids, prompt_lens = prompts.blocks(rows, block_size, blocks, span_ids=share)
     layout = span_layout(torch.from_numpy(firsts), _protocol, block_size,
                          torch.from_numpy(prompt_lens))
     if span_ids is not None:

@@ -82,8 +82,10 @@ def kernel_builder(monkeypatch, request):
 
 
 def build(builder, monkeypatch, markers: list[str], query_lens: list[int], seq_lens: list[int]):
-    def layout_of_batch(num_reqs, block_size, max_seq_len):
+    def layout_of_batch(num_reqs, block_size, max_seq_len, decoding):
         assert max_seq_len == max(seq_lens)  # the layout covers the batch's sequences
+        # span ids for the rows whose query is one token (span_layout.current_layout)
+        assert decoding.tolist() == [n == 1 for n in query_lens]
         return marker_layout(markers, MAX_BLOCKS, BLOCK)
 
     monkeypatch.setattr(fb, "current_layout", layout_of_batch)
@@ -230,7 +232,7 @@ def test_mask_markers_batches_take_the_kernel_on_flash_attention(monkeypatch):
     """Quiet keys are single keys: FlashAttention rows cannot hide them, the kernel does."""
     from minipic.attention.span_layout import take_no_room
 
-    def quiet_layout(num_reqs, block_size, max_seq_len):
+    def quiet_layout(num_reqs, block_size, max_seq_len, decoding):
         layout = marker_layout(["-S-P"], MAX_BLOCKS, BLOCK)
         quiet = torch.zeros(1, MAX_BLOCKS * BLOCK, dtype=torch.bool)
         quiet[0, [BLOCK, 3 * BLOCK]] = True

@@ -144,6 +144,22 @@ def test_the_same_document_anywhere_gets_the_same_span_ids():
     assert ids[1, :2].tolist() == [-1, -1] and ids[1, 8] == -1
 
 
+def test_only_the_rows_named_get_span_ids_and_only_they_are_hashed():
+    rng = random.Random(4)
+    doc = [3] + words(rng, 47)
+    prompts = HostPrompts(P)
+    for row in range(3):
+        prompts.add(row, words(rng, 16) + doc + [4] + words(rng, 5))
+    rows = np.array([0, 1, 2])
+    _, ids, _ = prompts.blocks(rows, BLOCK, 6, span_ids=np.array([True, False, True]))
+    assert ids[0, 1:4].tolist() == ids[2, 1:4].tolist() and ids[0, 1] >= 0
+    assert ids[1].tolist() == [-1] * 6
+    assert len(prompts.span_ids) == 1  # row 1's document was not hashed: one holder less
+    assert prompts.blocks(rows, BLOCK, 6, span_ids=np.zeros(3, dtype=bool))[1] is None
+    _, all_ids, _ = prompts.blocks(rows, BLOCK, 6)  # True: every row
+    assert all_ids[1, 1:4].tolist() == ids[0, 1:4].tolist()
+
+
 def test_a_span_id_is_the_whole_spans_tokens_and_the_blocks_place():
     """One token differs, in the second block: every block of the span gets another id
     (an id stands for the span's tokens and the block's place in it), and the same span
@@ -258,6 +274,14 @@ def test_shared_documents_from_host_prompts_to_the_plan(monkeypatch):
     layout.span_id = None  # unknown identity: a row per request and document
     assert segment_plan(layout, list(range(len(rows) + 1)), seq_lens, BLOCK,
                         link_shifts=True).earlier.row_request.numel() == 12
+    # Request 2 prefills its task this step: no ids for its row, no row shared with it (a
+    # layout of its own: the last one's ids were for every row)
+    mixed = sl.current_layout(len(rows), BLOCK, max_seq_len=max(seq_lens),
+                              decoding=np.array([True, True, False, True]))
+    assert mixed.span_id[2].tolist() == [-1] * mixed.span_id.shape[1]
+    assert mixed.span_id[0].max() >= 0
+    plan = segment_plan(mixed, list(range(len(rows) + 1)), seq_lens, BLOCK, link_shifts=True)
+    assert plan.earlier.row_request.numel() == 12
 
 
 def test_only_unsalted_plain_token_requests_are_tagged_shareable(monkeypatch):

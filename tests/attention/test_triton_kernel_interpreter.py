@@ -382,7 +382,7 @@ def _run_backend_mask_markers() -> float | str:
         builder.split_kv_scratch = tk.split_kv_buffers(64, 4, dim, "cpu")
         builder.seq_threshold_3d = 8
         builder.use_flash_rows = True  # FlashAttention's default: quiet keys take the kernel
-        fb.current_layout = lambda num_reqs, block_size, max_seq_len: layout
+        fb.current_layout = lambda num_reqs, block_size, max_seq_len, decoding: layout
         return builder.build(0, SimpleNamespace(num_reqs=len(markers), query_start_loc=starts,
                                                 query_start_loc_cpu=starts,
                                                 seq_lens=case.seq_lens,
