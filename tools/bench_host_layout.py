@@ -10,9 +10,11 @@ them by a document's span prefilled alone (ISPS at repeat rate 0.9 sends about a
 those as final prompts).
 
 `--new-rows-prefill` lays the step out as an engine does: the new rows prefill (no span
-ids: only decoding rows share documents), the others decode. `--busy-thread` runs a Python-bound thread beside the step, as the engine core's input
-thread is while it hashes arriving requests, and `--switch-interval-ms` sets the GIL's
-switch interval (minipic/switch_interval.py; Python's own is 5 ms).
+ids: only decoding rows share documents), the others decode (a row is hashed at its first
+step as a decoding row; a row replaced before it never is). `--busy-thread` runs a
+Python-bound thread beside the step, as the engine core's input thread is while it hashes
+arriving requests, and `--switch-interval-ms` sets the GIL's switch interval
+(minipic/switch_interval.py; Python's own is 5 ms).
 
     .venv/bin/python tools/bench_host_layout.py --rows 1024 --new 180 --steps 30
     .venv/bin/python tools/bench_host_layout.py --busy-thread --switch-interval-ms 5

@@ -10,9 +10,10 @@ paged cache with a shuffled block table. Batches:
   final481        the final-prompt step of ISPS at repeat rate 0.9 (tools/bench_rag.py): 481
                   requests, each a 64-token system prompt, 10 cached 96-token documents and
                   a 32-token task computed;
-  final481_shared the same, the documents drawn from a pool of 2000, so requests share
-                  them as a batch of hot documents does (layout.span_id: one row a
-                  document). Stock vLLM would never share these blocks (its hashes chain
+  final481_shared the same, the documents drawn from a pool of 2000 and shared between
+                  requests (layout.span_id: one row a document), as the rows would read
+                  them with span ids; Model Runner V2 gives ids to decoding rows only, so
+                  an engine runs this step as final481 does. Stock vLLM would never share these blocks (its hashes chain
                   through the prefix), so its fa3 time here reads fewer distinct blocks than
                   it would: compare the rows with final481's fa3.
 Variants, all on the same cache and queries:
@@ -120,8 +121,9 @@ def shared_documents(reqs: int, markers: str, pool: int, gen: torch.Generator
     """Each request's documents drawn (distinct) from `pool` documents of `doc_blocks`
     blocks each: the block table [reqs, blocks] (a document's blocks are the same cache
     blocks in every request that holds it, every other block is its own; shuffled over the
-    cache as the other batches' tables are) and the span ids Model Runner V2 would give
-    (span_identity.py: the document's first id plus the block's place in it, -1 elsewhere)."""
+    cache as the other batches' tables are) and span ids as Model Runner V2 gives a
+    decoding row (span_identity.py: the document's first id plus the block's place in it,
+    -1 elsewhere)."""
     blocks, starts = len(markers), [i for i, c in enumerate(markers) if c == "S"]
     # every document as long as the first: up to the next marker block
     doc_blocks = next(i for i in range(starts[0] + 1, blocks) if markers[i] != "-") - starts[0]

@@ -147,8 +147,7 @@ class HostPrompts:
         for row in rows.tolist():
             if row not in table.has_firsts:
                 self._fill_firsts(table, row, block_size)
-        wanted = np.ones(rows.size, dtype=bool) if span_ids is True else \
-            np.zeros(rows.size, dtype=bool) if span_ids is False else span_ids
+        wanted = np.broadcast_to(np.asarray(span_ids, dtype=bool), rows.shape)
         ids = None
         if wanted.any():
             for row in rows[wanted].tolist():

@@ -303,9 +303,9 @@ def current_layout(num_reqs: int, block_size: int, max_seq_len: int | None = Non
     given span ids (None: every row). Reading a shared document once saves a decode row
     its keys, which are its whole cost; a longer query's cost is its copies, one per
     document (the ISPS final-prompt step took 3.01 ms a layer with its documents shared,
-    2.89 without, docs/attention.md), and a new prompt's ids cost hashing all its spans on
-    the step's host time (480 new prompts among 1024 rows: 45 ms of layout, 27 with ids for
-    the decoding rows only; tools/bench_host_layout.py --new-rows-prefill).
+    2.89 without, docs/attention.md). A prompt's ids cost hashing all its spans on the
+    step's host time: now at its first decode step, and never for a request that ends at
+    its prefill (a one-token answer, ISPS's final prompts).
     On the host, but for Model Runner V2 with mask_markers (whose quiet keys include
     generated tokens, which only the GPU's table holds)."""
     width = None if max_seq_len is None else -(-max_seq_len // block_size) * block_size
@@ -341,8 +341,8 @@ def _host_layout(num_reqs: int, block_size: int, width: int | None,
     # than the batch needs serves the steps after it too (the plan steps on over it).
     blocks = -(-width // (block_size * HOST_LAYOUT_BLOCK_STEP)) * HOST_LAYOUT_BLOCK_STEP
     # one request shares with no one: its spans' ids are not worth their hashing
-    share = (num_reqs > 1) & (np.ones(num_reqs, dtype=bool) if decoding is None
-                              else np.asarray(decoding[:num_reqs], dtype=bool))
+    share = (num_reqs > 1) & (np.ones(rows.size, dtype=bool) if decoding is None
+                              else np.asarray(decoding[: rows.size], dtype=bool))
     key = (prompts, prompts.generation, rows.tobytes(), block_size, blocks, share.tobytes())
     if _last_host_layout is not None and _last_host_layout[0] == key:
         return _last_host_layout[1]
