@@ -111,3 +111,24 @@ def test_paired_hit_engine_gets_the_share_stock_leaves():
     assert hit_share(0.85, 0.25) == pytest.approx(0.60)
     with pytest.raises(RuntimeError, match="already takes 0.90 of the GPU.*share of 0.85"):
         hit_share(0.85, 0.90)
+
+
+def test_paired_reads_the_memory_of_the_gpu_the_engines_run_on(monkeypatch):
+    """NVML numbers GPUs physically; with CUDA_VISIBLE_DEVICES=3 the engines' GPU is 3."""
+    import sys
+
+    import vllm.third_party
+    from vllm.platforms import current_platform
+
+    from minipic.devtools.ttft_paired import gpu_used_fraction
+
+    handles = []
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: handles.append(index) or index,
+        nvmlDeviceGetMemoryInfo=lambda handle: SimpleNamespace(used=20, total=80))
+    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", fake)
+    monkeypatch.setattr(vllm.third_party, "pynvml", fake, raising=False)
+    monkeypatch.setattr(type(current_platform), "visible_device_id_to_physical_device_id",
+                        classmethod(lambda cls, index: 3))
+    assert gpu_used_fraction() == 0.25 and handles == [3]
