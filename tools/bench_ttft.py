@@ -24,8 +24,8 @@ Each phase runs in its own process, as a restart would:
      files from the page cache (posix_fadvise DONTNEED), so they come from the device;
      `warm:T:P` also sets the reader processes (`disk_read_processes`, 0 = threads only).
 `--paired` runs phases 1 and 2 in one process instead, both engines up (stock's KV cache
-holds max_model_len tokens and its longest prompt, minipic gets the rest of the share) and
-their timed prompts taking turns, so the host's drift weighs on both alike. TTFT = wall time of one request with max_tokens=1, requests one at a
+holds max_model_len tokens, minipic gets the rest of the share) and their timed prompts
+taking turns, so the host's drift weighs on both alike. TTFT = wall time of one request with max_tokens=1, requests one at a
 time, median of --repeats prompts, split into stages by vLLM's request timestamps
 (minipic.devtools.request_stages: the way to the scheduler's queue, the wait to be scheduled,
 the step, the way back). Every timed prompt has documents no other timed prompt of its phase

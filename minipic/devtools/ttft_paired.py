@@ -52,16 +52,22 @@ def run_paired(model: str, engine: dict, connector: dict, load: dict) -> list[di
 
 
 def stock_kv_bytes(model: str, engine: dict, load: dict) -> int:
-    """Stock's KV cache: max_model_len tokens (vLLM's minimum) and its longest prompt again,
-    so that a prompt's rerun and new question find it cached. A fixed share of an 80 GB card
-    left stock less KV than one max_model_len request."""
+    """Stock's KV cache: max_model_len tokens, vLLM's minimum. Stock keeps one prompt at a
+    time, and max_model_len holds its longest prompt with room to spare for the blocks its
+    rerun and new question add (measure() sizes it with 64 tokens and the links' allowance
+    over it). A fixed share of an 80 GB card left stock less than this; every byte more
+    is taken from the documents minipic's engine must hold."""
     config = json.loads((Path(model) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_token = (2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
                  * DTYPE_BYTES[engine["dtype"]])
+    block_size = engine["block_size"]
     longest = max(len(final) for _, final in load["finals"]["stock"])
-    blocks = -(-(engine["max_model_len"] + longest) // engine["block_size"])
-    return blocks * engine["block_size"] * per_token
+    tokens = -(-engine["max_model_len"] // block_size) * block_size
+    if tokens < longest + 2 * block_size:
+        raise ValueError(f"--paired: max_model_len {engine['max_model_len']} leaves stock no "
+                         f"room beside its {longest}-token prompt")
+    return tokens * per_token
 
 
 def hit_share(share: float, used: float) -> float:

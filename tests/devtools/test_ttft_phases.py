@@ -101,8 +101,11 @@ def test_paired_stock_kv_holds_one_max_length_request_and_its_prompt(tmp_path):
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 128 * 2
     tokens = stock_kv_bytes(model, engine, load) / per_token
     assert tokens % engine["block_size"] == 0
-    assert engine["max_model_len"] + longest <= tokens < engine["max_model_len"] + longest + 16
-    assert tokens * per_token / 2**30 < 6  # GiB: weights and this fit beside minipic's share
+    assert engine["max_model_len"] <= tokens < engine["max_model_len"] + engine["block_size"]
+    assert tokens >= longest + 2 * engine["block_size"]  # the prompt, its rerun's new blocks
+    assert tokens * per_token / 2**30 <= 4  # GiB: weights and this fit beside minipic's share
+    with pytest.raises(ValueError, match="leaves stock no room"):
+        stock_kv_bytes(model, dict(engine, max_model_len=longest), load)
 
 
 def test_paired_hit_engine_gets_the_share_stock_leaves():
