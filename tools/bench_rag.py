@@ -38,7 +38,7 @@ from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools import step_phases  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, add_minipic_option, connector_extra, disk_phase_list, gib, int_list,
-    make_model, minipic_option_pairs, random_words)
+    kv_bytes_per_token, make_model, minipic_option_pairs, random_words)
 from minipic.devtools.rag_workload import TASK_TOKENS, RagWorkload, rag_workload  # noqa: E402
 from minipic.devtools.stack_sampler import ENV_FOLDER, sample_window  # noqa: E402
 from minipic.devtools.store_totals import store_totals  # noqa: E402
@@ -444,13 +444,6 @@ def run_child(spec: dict, work: Path, logs: Path, env: dict | None = None) -> di
 
 
 # ---------------------------------------------------------------------------- table 1
-
-def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * width
-
 
 def table1(args, base: dict, work: Path) -> None:
     runs = plan_runs(args)

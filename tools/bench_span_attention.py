@@ -13,9 +13,10 @@ paged cache with a shuffled block table. Batches:
   final481_shared the same, the documents drawn from a pool of 2000 and shared between
                   requests (layout.span_id: one row a document), as the rows would read
                   them with span ids; Model Runner V2 gives ids to decoding rows only, so
-                  an engine runs this step as final481 does. Stock vLLM would never share these blocks (its hashes chain
-                  through the prefix), so its fa3 time here reads fewer distinct blocks than
-                  it would: compare the rows with final481's fa3.
+                  an engine runs this step as final481 does. Stock vLLM would never share
+                  these blocks (its hashes chain through the prefix), so its fa3 time here
+                  reads fewer distinct blocks than it would: compare the rows with
+                  final481's fa3.
 Variants, all on the same cache and queries:
   fa3             stock FlashAttention 3, causal over the same keys: what stock vLLM runs
                   for the same query tokens after its own full prefix hit (the floor);

@@ -41,6 +41,14 @@ def make_model(arch: str, root: Path, max_model_len: int = 0) -> tuple[str, dict
                            max_model_len=max(32768, max_model_len)), llama3_8b.MARKERS
 
 
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """KV cache bytes one token takes in the model at `model_dir` (its config.json)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * width
+
+
 def connector_extra(arch: str, store: str, markers: dict, cpu_bytes: int | None = None) -> dict:
     """MiniPICConnector options. The 8B model gets an 8 GiB CPU tier unless told otherwise:
     4 steps of 16384 tokens, so that span bursts reach the store whole (minipic's

@@ -14,16 +14,13 @@ the two phases' ("stock", "gpu-hit"), tagged `paired`.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
+from minipic.devtools.bench_setup import kv_bytes_per_token
 from minipic.devtools.ttft_phases import (Phase, check_gpu_holds, phase_result, start_engine,
                                           time_final, warm_up)
 
 # Stock's memory request at start-up (vLLM refuses a start whose share exceeds the free
 # memory); with kv_cache_memory_bytes given, its KV cache does not follow this share.
 STOCK_REQUEST = 0.25
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def run_paired(model: str, engine: dict, connector: dict, load: dict) -> list[dict]:
@@ -57,17 +54,13 @@ def stock_kv_bytes(model: str, engine: dict, load: dict) -> int:
     rerun and new question add (measure() sizes it with 64 tokens and the links' allowance
     over it). A fixed share of an 80 GB card left stock less than this; every byte more
     is taken from the documents minipic's engine must hold."""
-    config = json.loads((Path(model) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = (2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
-                 * DTYPE_BYTES[engine["dtype"]])
     block_size = engine["block_size"]
     longest = max(len(final) for _, final in load["finals"]["stock"])
     tokens = -(-engine["max_model_len"] // block_size) * block_size
     if tokens < longest + 2 * block_size:
         raise ValueError(f"--paired: max_model_len {engine['max_model_len']} leaves stock no "
                          f"room beside its {longest}-token prompt")
-    return tokens * per_token
+    return tokens * kv_bytes_per_token(model, engine["dtype"])
 
 
 def hit_share(share: float, used: float) -> float:
