@@ -76,6 +76,13 @@ TIMED = (
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_attn",
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model",
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
+    "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn",
+    "vllm.v1.worker.gpu.kv_connector:ActiveKVConnector.pre_forward",
+    "vllm.v1.worker.gpu.kv_connector:ActiveKVConnector.post_forward",
+    "minipic._vllm_patches:_note_host_prompts",
+    # worker: the model's run, its piecewise CUDA graphs one replay a piece
+    "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager.run_pw_graph",
+    "vllm.compilation.cuda_graph:CUDAGraphWrapper.__call__",
     # worker: the V1 runner (vLLM 0.32 on CPU)
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
@@ -92,6 +99,8 @@ TIMED = (
     "minipic.attention.cuda_backend:key_turn_backs",
     "vllm.model_executor.layers.attention.attention:Attention.forward",
     "minipic.attention.cuda_backend:SpanBatchImpl.forward",
+    "minipic.attention.cuda_backend:SpanBatchImpl.do_kv_cache_update",
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.do_kv_cache_update",
     # minipic's rows path a layer: the turn, the FlashAttention calls, the merge (the
     # kernels' wrappers are timed in their module: segment_attention imports them at call
     # time, and a module-level import there would keep the untimed ones)
