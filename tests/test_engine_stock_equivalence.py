@@ -81,9 +81,21 @@ def _env(**values: str):
 
 @pytest.fixture(scope="module")
 def stock(tiny_model):
+    from vllm.plugins import load_general_plugins
+
+    # vLLM loads plugins once a process: minipic is loaded here first, so that the
+    # no-plugin setting reaches the spawned engine only, not this process's later engines
+    # (their start-up refusals run here).
+    load_general_plugins()
     # Engine processes load no plugin at all, and start from a fresh interpreter.
     with _env(VLLM_PLUGINS="no-plugin", VLLM_WORKER_MULTIPROC_METHOD="spawn"):
         return greedy_run(tiny_model, expect_patched=False, expect_switch_s=0.005)
+
+
+def test_stock_engine_leaves_minipic_loaded_here(stock):
+    """The stock engine's VLLM_PLUGINS=no-plugin must not keep minipic out of this process
+    (test_config_refusals.py, run after this file, expects its refusals here)."""
+    assert _rope_init_is_patched(None)
 
 
 def test_off_equals_stock_exactly(tiny_model, stock):
