@@ -84,8 +84,8 @@ def stock(tiny_model):
     from vllm.plugins import load_general_plugins
 
     # vLLM loads plugins once a process: minipic is loaded here first, so that the
-    # no-plugin setting reaches the spawned engine only, not this process's later engines
-    # (their start-up refusals run here).
+    # no-plugin setting reaches the spawned engine only, not the engines this process
+    # starts later (their start-up refusals and engine-core hooks run here).
     load_general_plugins()
     # Engine processes load no plugin at all, and start from a fresh interpreter.
     with _env(VLLM_PLUGINS="no-plugin", VLLM_WORKER_MULTIPROC_METHOD="spawn"):
@@ -93,8 +93,10 @@ def stock(tiny_model):
 
 
 def test_stock_engine_leaves_minipic_loaded_here(stock):
-    """The stock engine's VLLM_PLUGINS=no-plugin must not keep minipic out of this process
-    (test_config_refusals.py, run after this file, expects its refusals here)."""
+    """The stock engine's VLLM_PLUGINS=no-plugin must not keep minipic out of this process:
+    in-process engines started after this file (test_switch_interval.py's engine core;
+    test_config_refusals.py when run after it) need its patches here. It can fail only
+    where this file is the first in the process to load vLLM's plugins."""
     assert _rope_init_is_patched(None)
 
 
