@@ -79,8 +79,9 @@ TIMED = (
     "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn",
     "vllm.v1.worker.gpu.kv_connector:ActiveKVConnector.pre_forward",
     "vllm.v1.worker.gpu.kv_connector:ActiveKVConnector.post_forward",
-    "minipic._vllm_patches:_note_host_prompts",
-    # worker: the model's run, its piecewise CUDA graphs one replay a piece
+    "minipic._vllm_patches:_note_host_prompts",  # minipic's part of add_requests
+    # worker: the model's run, its piecewise CUDA graphs one replay a piece (checked on
+    # vLLM 0.25.1; absent names are skipped)
     "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager.run_pw_graph",
     "vllm.compilation.cuda_graph:CUDAGraphWrapper.__call__",
     # worker: the V1 runner (vLLM 0.32 on CPU)
