@@ -20,9 +20,11 @@ normalises: APE's scale S, 1 = as computed; docs/accuracy.md), `recipe` (the
 span prompt the API server builds from a chat request's `documents`: "epic64",
 the default (each document's first 64 tokens recomputed, in whole blocks), "epic2"
 (two blocks), "epic" (one) or "block_attention"; see minipic/serving/chat_documents.py), `span_attention` (CUDA,
-fp16/bf16 models: "flash", the default, attends span batches with vLLM's own
-FlashAttention, one call per frame merged by log-sum-exp; "triton" with minipic's
-span kernel, which mask_markers batches always take), `switch_interval_ms` (the
+fp16/bf16 models: "flash" attends span batches with vLLM's own FlashAttention, one call
+per frame merged by log-sum-exp; "triton" with minipic's span kernel, which mask_markers
+batches always take; "auto", the default, FlashAttention but for short span prefills, such
+as a span hit's question, which the kernel attends in one launch a layer; see
+docs/attention.md), `switch_interval_ms` (the
 GIL's switch interval in the engine processes, 0.2 by default, null for Python's 5;
 see minipic/switch_interval.py). Any other
 key in the `additional_config` section is refused at start-up (a typo would
@@ -130,12 +132,12 @@ def span_scale(vllm_config: Any) -> float:
     return float(value)
 
 
-SPAN_ATTENTION = ("flash", "triton")
+SPAN_ATTENTION = ("auto", "flash", "triton")
 
 
 def span_attention(vllm_config: Any) -> str:
     """How CUDA attends span batches (option `span_attention`, see the module docstring)."""
-    value = (minipic_options(vllm_config) or {}).get("span_attention", "flash")
+    value = (minipic_options(vllm_config) or {}).get("span_attention", "auto")
     if value not in SPAN_ATTENTION:
         raise ValueError(f"{CONFIG_KEY}.span_attention must be one of "
                          f"{', '.join(map(repr, SPAN_ATTENTION))}, got {value!r}")

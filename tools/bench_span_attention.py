@@ -152,6 +152,7 @@ def launchers(b: Batch, out: torch.Tensor) -> dict:
 
     batch = b.plan()
     split = tk.split_kv_buffers(tk.SPLIT_KV_MAX_TOKENS, Q_HEADS, HEAD, "cuda")
+    launches: dict = {}  # bound at the first call, as an engine's batch binds its first layer
 
     def fa3():
         flash_attn_varlen_func(q=b.q, k=b.k, v=b.v, max_seqlen_q=b.q_len, cu_seqlens_q=b.cu,
@@ -169,7 +170,8 @@ def launchers(b: Batch, out: torch.Tensor) -> dict:
             max_seqlen_q=b.q_len, block_table=b.table, softmax_scale=b.scale,
             cos_sin=b.cos_sin, rotary_dim=HEAD, is_neox_style=True, split_output=split[0],
             split_max=split[1], split_expsum=split[2],
-            seq_threshold_3d=tk.MIN_GRID_2D // KV_HEADS, **tk.span_table_args(b.layout, BLOCK))
+            seq_threshold_3d=tk.MIN_GRID_2D // KV_HEADS, launches=launches,
+            **tk.span_table_args(b.layout, BLOCK))
 
     return {"fa3": fa3, "flash_rows": flash_rows, "triton": triton}
 

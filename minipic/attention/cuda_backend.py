@@ -70,6 +70,7 @@ from minipic.attention.triton_kernel import (
     MIN_GRID_2D,
     SPLIT_KV_MAX_TOKENS,
     check_rope,
+    compile_short_prefills,
     quiet_words,
     split_kv_buffers,
     span_table_args,
@@ -93,11 +94,13 @@ class SpanBatchBuilder:
     the rows fold them into their own turns; None
     without links), `minipic_key_turn` (the K turn-backs before the cache write, None
     when all are 0), `minipic_span_block_size`, and the kernel's split-KV scratch
-    (`minipic_split_kv_scratch`, `minipic_seq_threshold_3d`)."""
+    (`minipic_split_kv_scratch`, `minipic_seq_threshold_3d`) and its launches, bound once
+    for every layer (`minipic_launches`, segment_kernels.RepeatedLaunch)."""
 
     # Whether the base backend can attend span batches as FlashAttention rows.
     has_flash_rows: ClassVar[bool] = False
     full_graphs = False  # uniform decode steps replay full graphs (set in __init__)
+    short_prefills_on_kernel = False  # span_attention "auto" (set in __init__)
     graph_rows: DecodeGraphRows | None = None  # made at the first graph step
     _capturing = False  # build() runs for a full graph's capture
 
@@ -117,8 +120,9 @@ class SpanBatchBuilder:
         from minipic.config import mask_markers, span_attention
 
         # FA3 only: FA2's varlen LSE for GQA decodes (its swapped query groups) is untested
-        self.use_flash_rows = (self.has_flash_rows and span_attention(vllm_config) == "flash"
+        self.use_flash_rows = (self.has_flash_rows and span_attention(vllm_config) != "triton"
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
+        self.short_prefills_on_kernel = span_attention(vllm_config) == "auto"
         self.full_graphs = (self.use_flash_rows
                             and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
         if self.use_flash_rows and not mask_markers(vllm_config):  # else the span kernel's
@@ -127,6 +131,11 @@ class SpanBatchBuilder:
                              vllm_config.model_config.dtype, rope.rotary_dim,
                              rope.is_neox_style, torch.device(device),
                              vllm_config.scheduler_config.max_num_batched_tokens)
+            if self.short_prefills_on_kernel:
+                compile_short_prefills(self.num_heads_q, self.num_heads_kv, self.headdim,
+                                       vllm_config.model_config.dtype, rope.rotary_dim,
+                                       rope.is_neox_style, self.block_size,
+                                       torch.device(device))
         # Past this many query copies a span batch goes in groups of query tokens
         # (plan_groups.py): 500 short tasks over ten documents each, or one 4k-token task
         # chunk over 40 documents, copy 160k.
@@ -174,7 +183,9 @@ class SpanBatchBuilder:
         metadata.minipic_token_shift = metadata.minipic_key_turn = None
         if has_spans:
             query_start_loc, seq_lens = _host_extents(m)
-            if self.use_flash_rows and layout.quiet is None:
+            if (self.use_flash_rows and layout.quiet is None
+                    and not (self.short_prefills_on_kernel
+                             and _short_prefill(layout, query_start_loc))):
                 metadata.minipic_rows = self._rows(layout, query_start_loc, seq_lens, m)
             if metadata.minipic_rows is None:
                 self._kernel_tables(metadata, layout, seq_lens)
@@ -182,6 +193,7 @@ class SpanBatchBuilder:
                     layout, query_start_loc, seq_lens, self.block_size), self.device)
             metadata.minipic_key_turn = token_turns(key_turn_backs(
                 layout, query_start_loc, seq_lens, self.block_size), self.device)
+        metadata.minipic_launches = {}  # the span kernel's, bound at the first layer
         metadata.minipic_span_block_size = self.block_size
         metadata.minipic_split_kv_scratch = self.split_kv_scratch
         metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
@@ -310,7 +322,7 @@ class SpanBatchImpl:
             softmax_scale=self.scale, cos_sin=self._rope_table(query.device),
             rotary_dim=rope.rotary_dim, is_neox_style=rope.is_neox_style,
             split_output=split_output, split_max=split_max, split_expsum=split_expsum,
-            seq_threshold_3d=md.minipic_seq_threshold_3d,
+            seq_threshold_3d=md.minipic_seq_threshold_3d, launches=md.minipic_launches,
             **span_table_args(md.minipic_tables, md.minipic_span_block_size,
                               md.minipic_quiet_bits),
         )
@@ -438,7 +450,7 @@ def _full_decode_graphs(vllm_config, head_size: int) -> bool:
     from minipic.config import is_enabled, mask_markers, span_attention
 
     return (is_enabled(vllm_config) and bool(getattr(vllm_config, "use_v2_model_runner", False))
-            and span_attention(vllm_config) == "flash" and not mask_markers(vllm_config)
+            and span_attention(vllm_config) != "triton" and not mask_markers(vllm_config)
             and vllm_config.parallel_config.data_parallel_size == 1
             and vllm_config.speculative_config is None
             and _flash_attention_version(head_size) == 3)
@@ -461,6 +473,21 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
     if kv_cache.dim() == 5:
         return kv_cache.unbind(1)
     return kv_cache.transpose(1, 2).split(head_size, dim=-1)
+
+
+# Span batches of at most this many query tokens, a prefill among them and no links, take
+# the span kernel under span_attention "auto": a span hit's question is host-bound, and the
+# kernel is one launch a layer (bound once for all layers) with no plan to build, where the
+# rows are a turn, a FlashAttention call and a merge over a plan (docs/attention.md,
+# "Which path a span batch takes"). A link batch's kernel scores its tiles twice.
+KERNEL_MAX_QUERY_TOKENS = 128
+
+
+def _short_prefill(layout, query_start_loc: list[int]) -> bool:
+    """Whether a span batch is short enough for the span kernel (KERNEL_MAX_QUERY_TOKENS)."""
+    tokens, requests = query_start_loc[-1], len(query_start_loc) - 1
+    return (requests < tokens <= KERNEL_MAX_QUERY_TOKENS
+            and (layout.link_tokens is None or not bool(layout.link_tokens.any())))
 
 
 def _host_extents(m) -> tuple[list[int], list[int]]:

@@ -318,6 +318,10 @@ def launch(kernel, grid: tuple, bind, tensors: tuple, fixed: tuple, launches: di
     repeated(grid, bind, tensors, fixed)
 
 
+# What a bind may pass beside the kernel's parameters: they are compiled into the kernel.
+LAUNCH_OPTIONS = {"num_warps", "num_stages"}
+
+
 class RepeatedLaunch:
     """One Triton kernel launched again and again on the same arguments but for some
     tensors: a span batch's turn and merge, once a layer.
@@ -357,7 +361,8 @@ class RepeatedLaunch:
             self._key, self._fixed = key, fixed
             self._grid = (*grid, 1, 1)[:3]
             names = self._kernel.arg_names[len(args):]
-            assert sorted(names) == sorted(constexprs), "the constexprs are the last parameters"
+            assert set(names) <= set(constexprs), "the constexprs are the last parameters"
+            assert set(constexprs) - set(names) <= LAUNCH_OPTIONS, "bind passes every parameter"
             self._args = [*args, *(constexprs[name] for name in names)]
             self._runtime_args = len(args)
             self._slots = [[i for i, a in enumerate(args) if t is not None and a is t]

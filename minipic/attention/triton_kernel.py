@@ -29,11 +29,14 @@ This module needs only torch and triton (no vLLM), so CPU CI runs it under
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+from minipic.attention.segment_kernels import launch
 
 _LOG2E = 1.4426950408889634
 
@@ -540,6 +543,7 @@ def unified_attention_rope(
     links_end: torch.Tensor | None = None,
     link_tokens: torch.Tensor | None = None,
     quiet_bits: torch.Tensor | None = None,
+    launches: dict | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of `q` over K stored in frames, turning K tiles forward.
 
@@ -562,15 +566,13 @@ def unified_attention_rope(
     plain causal attention over K as stored and reads no table. Link tokens' Q must
     already be turned back (attention.links). `quiet_bits` [seqs, words] int32
     (quiet_words; with the span tables only): keys no query outside their own span sees.
+    `launches`: a batch's segment_kernels.RepeatedLaunch cache, when every layer launches
+    on the same tables (Triton binds the first layer's launch only).
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    check_rope(head_size, rotary_dim, cos_sin)
-    if q.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError("q and out need a unit stride on the head dim")
     num_seqs = seqused_k.shape[0]
     queries_per_kv = num_q_heads // num_kv_heads
-
     use_3d = split_output is not None and seq_threshold_3d is not None and (
         _split_decode(max_seqlen_q, num_seqs, seq_threshold_3d)
         or _split_short_queries(max_seqlen_q, num_tokens, num_seqs, queries_per_kv,
@@ -579,68 +581,62 @@ def unified_attention_rope(
         config = choose_config(max_seqlen_q, use_3d, head_size)
     block_m = _q_block_rows(config, queries_per_kv)
     block_q = block_m // queries_per_kv
-    num_q_blocks = _num_q_blocks(num_tokens, num_seqs, block_q)
+    num_splits = split_output.shape[2] if use_3d else 1
+    grid = (_num_q_blocks(num_tokens, num_seqs, block_q), num_kv_heads, num_splits)[
+        : 3 if use_3d else 2]
     head_size_padded = triton.next_power_of_2(head_size)
-    rot_half = rotary_dim // 2
-    pass_size = head_size - rotary_dim
 
+    def bind(out, q, k_cache, v_cache):
+        # The checks read only what a rebinding compares (segment_kernels.RepeatedLaunch).
+        check_rope(head_size, rotary_dim, cos_sin)
+        if q.stride(2) != 1 or out.stride(2) != 1:
+            raise ValueError("q and out need a unit stride on the head dim")
+        has_span_tables = _check_span_tables(span_of, context_pos, frame_offset, links_end,
+                                             link_tokens, num_seqs)
+        has_quiet = quiet_bits is not None
+        if has_quiet:
+            _check_quiet_bits(quiet_bits, has_span_tables, num_seqs)
+        rot_half, pass_size = rotary_dim // 2, head_size - rotary_dim
+        args = (
+            out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
+            span_of if has_span_tables else block_table,  # any pointer when unused
+            context_pos if has_span_tables else block_table,
+            frame_offset if has_span_tables else block_table,
+            links_end if has_span_tables else seqused_k,
+            link_tokens if has_span_tables else seqused_k,
+            quiet_bits if has_quiet else seqused_k,
+            split_output, split_max, split_expsum,
+            softmax_scale * _LOG2E, num_seqs,
+            block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
+            span_of.stride(0) if has_span_tables else 0,
+            quiet_bits.stride(0) if has_quiet else 0)
+        return args, dict(
+            NUM_QUERY_HEADS=num_q_heads, NUM_QUERIES_PER_KV=queries_per_kv,
+            BLOCK_SIZE=block_size, TILE_SIZE=config.tile_size, HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=head_size_padded, ROT_HALF=rot_half,
+            ROT_HALF_PADDED=_pow2_at_least_16(rot_half), PASS_SIZE=pass_size,
+            PASS_PADDED=_pow2_at_least_16(pass_size) if pass_size else 16,
+            IS_NEOX=is_neox_style, BLOCK_Q=block_q, BLOCK_M=block_m, NUM_SPLITS=num_splits,
+            IS_3D=use_3d, PREFETCH=config.prefetch, HAS_SPAN_TABLES=has_span_tables,
+            SPAN_BLOCK=span_block_size or block_size, HAS_QUIET=has_quiet,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+
+    tables = (cos_sin, block_table, seqused_k, cu_seqlens_q, span_of, context_pos,
+              frame_offset, links_end, link_tokens, quiet_bits)
+    launch(minipic_attention_kernel, grid, bind, (out, q, k_cache, v_cache),
+           (*tables, split_output, split_max, split_expsum, softmax_scale, config,
+            rotary_dim, is_neox_style, span_block_size, max_seqlen_q), launches, "attention")
     if use_3d:
-        num_splits = split_output.shape[2]
-        grid = (num_q_blocks, num_kv_heads, num_splits)
-    else:
-        num_splits = 1
-        grid = (num_q_blocks, num_kv_heads)
-    has_span_tables = _check_span_tables(span_of, context_pos, frame_offset, links_end,
-                                         link_tokens, num_seqs)
-    has_quiet = quiet_bits is not None
-    if has_quiet:
-        _check_quiet_bits(quiet_bits, has_span_tables, num_seqs)
-    minipic_attention_kernel[grid](
-        out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
-        span_of if has_span_tables else block_table,  # any pointer when unused
-        context_pos if has_span_tables else block_table,
-        frame_offset if has_span_tables else block_table,
-        links_end if has_span_tables else seqused_k,
-        link_tokens if has_span_tables else seqused_k,
-        quiet_bits if has_quiet else seqused_k,
-        split_output, split_max, split_expsum,
-        softmax_scale * _LOG2E, num_seqs,
-        block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
-        span_of.stride(0) if has_span_tables else 0,
-        quiet_bits.stride(0) if has_quiet else 0,
-        NUM_QUERY_HEADS=num_q_heads,
-        NUM_QUERIES_PER_KV=queries_per_kv,
-        BLOCK_SIZE=block_size,
-        TILE_SIZE=config.tile_size,
-        HEAD_SIZE=head_size,
-        HEAD_SIZE_PADDED=head_size_padded,
-        ROT_HALF=rot_half,
-        ROT_HALF_PADDED=_pow2_at_least_16(rot_half),
-        PASS_SIZE=pass_size,
-        PASS_PADDED=_pow2_at_least_16(pass_size) if pass_size else 16,
-        IS_NEOX=is_neox_style,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        NUM_SPLITS=num_splits,
-        IS_3D=use_3d,
-        PREFETCH=config.prefetch,
-        HAS_SPAN_TABLES=has_span_tables,
-        SPAN_BLOCK=span_block_size or block_size,
-        HAS_QUIET=has_quiet,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if use_3d:
-        _reduce_splits[(num_tokens, num_q_heads)](
-            out, split_output, split_max, split_expsum, seqused_k, cu_seqlens_q, num_seqs,
-            out.stride(0), out.stride(1),
-            NUM_QUERY_HEADS=num_q_heads,
-            TILE_SIZE=config.tile_size,
-            HEAD_SIZE=head_size,
-            HEAD_SIZE_PADDED=head_size_padded,
-            NUM_SPLITS=num_splits,
-        )
+        def bind_reduce(out):
+            return (out, split_output, split_max, split_expsum, seqused_k, cu_seqlens_q,
+                    num_seqs, out.stride(0), out.stride(1)), dict(
+                NUM_QUERY_HEADS=num_q_heads, TILE_SIZE=config.tile_size, HEAD_SIZE=head_size,
+                HEAD_SIZE_PADDED=head_size_padded, NUM_SPLITS=num_splits)
+
+        launch(_reduce_splits, (num_tokens, num_q_heads), bind_reduce, (out,),
+               (split_output, split_max, split_expsum, seqused_k, cu_seqlens_q, config),
+               launches, "reduce")
     return out
 
 
@@ -719,3 +715,33 @@ def split_kv_buffers(max_tokens: int, num_q_heads: int, head_size: int,
 
 def default_softmax_scale(head_size: int) -> float:
     return 1.0 / math.sqrt(head_size)
+
+
+@functools.cache  # once per process and shape: every KV cache group's builder asks
+def compile_short_prefills(num_q_heads: int, num_kv_heads: int, head_size: int,
+                           dtype: torch.dtype, rotary_dim: int, is_neox_style: bool,
+                           block_size: int, device: torch.device) -> None:
+    """Launch, on zeros, the two variants of the span kernel a short span prefill takes
+    (cuda_backend.KERNEL_MAX_QUERY_TOKENS: split KV, and 2D for a 128-token query), so that
+    Triton compiles them when the engine starts, not in the first span hit (seconds, every
+    request of that step waiting). Only constexprs and pointer alignment select a variant:
+    the sizes are typed arguments."""
+    def zeros(*shape, dtype=dtype):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    cache = zeros(2, block_size, num_kv_heads, head_size)
+    q, out = zeros(2, num_q_heads, head_size), zeros(2, num_q_heads, head_size)
+    tables = zeros(1, 2, dtype=torch.int32)
+    per_request = zeros(1, dtype=torch.int32)
+    common = dict(cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device=device),
+                  seqused_k=torch.full((1,), 2, dtype=torch.int32, device=device),
+                  block_table=tables, softmax_scale=1.0,
+                  cos_sin=zeros(2, rotary_dim, dtype=torch.float32), rotary_dim=rotary_dim,
+                  is_neox_style=is_neox_style, span_of=tables, context_pos=tables,
+                  frame_offset=tables, span_block_size=block_size, links_end=per_request,
+                  link_tokens=per_request)
+    split = split_kv_buffers(SPLIT_KV_MAX_TOKENS, num_q_heads, head_size, device)
+    unified_attention_rope(q, cache, cache, out, max_seqlen_q=2, split_output=split[0],
+                           split_max=split[1], split_expsum=split[2],
+                           seq_threshold_3d=MIN_GRID_2D // num_kv_heads, **common)
+    unified_attention_rope(q, cache, cache, out, max_seqlen_q=SPLIT_MAX_QUERY_LEN, **common)

@@ -157,6 +157,31 @@ def test_flash_attention_gets_a_link_batch_as_rows(monkeypatch):
                       [4 * BLOCK] * 16 + [3 * BLOCK] * 16 + [2 * BLOCK] * 10 + [BLOCK] * 3)
 
 
+AUTO_CASES = {  # name: (markers, query lens, seq lens, whether the span kernel takes it)
+    "a_span_hits_question": (["-S-S-P"], [20], [84], True),
+    "with_decodes_beside": (["-S-P", "-S-P", "-S-P"], [20, 1, 1], [56, 49, 50], True),
+    "at_the_limit": (["-S-S-PPPPPP"], [fb.KERNEL_MAX_QUERY_TOKENS], [180], True),
+    "past_the_limit": (["-S-S-PPPPPP"], [fb.KERNEL_MAX_QUERY_TOKENS + 1], [181], False),
+    "decodes_only": (["-S-P", "-S-P"], [1, 1], [49, 50], False),
+    "with_links": (["-SLP"], [20], [52], False),
+}
+
+
+@pytest.mark.parametrize("name", AUTO_CASES)
+def test_auto_sends_short_span_prefills_to_the_kernel(monkeypatch, name):
+    """span_attention "auto": a batch of few query tokens with a prefill among them and no
+    links (a span hit's question) takes the span kernel (its tables, no plan); the others
+    the FlashAttention rows, as under "flash"."""
+    markers, query_lens, seq_lens, on_kernel = AUTO_CASES[name]
+    builder = new_builder(monkeypatch, "flash")
+    builder.short_prefills_on_kernel = True
+    md = build(builder, monkeypatch, markers, query_lens, seq_lens)
+    assert (md.minipic_tables is not None) == on_kernel
+    assert (md.minipic_rows is None) == on_kernel
+    rows = build(new_builder(monkeypatch, "flash"), monkeypatch, markers, query_lens, seq_lens)
+    assert rows.minipic_rows is not None and rows.minipic_tables is None
+
+
 def test_the_span_plan_runs_in_one_torch_thread(monkeypatch):
     """Torch's thread pool stays out of the host planning (its threads would busy-wait
     beside the step's thread after each small op), and is left as it was."""
