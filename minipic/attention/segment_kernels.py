@@ -342,8 +342,7 @@ class RepeatedLaunch:
         self._key = None
         self._fixed: tuple = ()  # held, so that no other object takes their ids
         self._grid: tuple = ()  # the compiled kernel's launcher takes all three sizes
-        self._args: list = []  # every parameter in order: the constexprs come last
-        self._runtime_args = 0  # how many of them are not constexprs
+        self._args: list = []  # what the compiled kernel's launcher takes (_launcher_args)
         self._slots: list[list[int]] = []  # where each tensor stands in _args
 
     def __call__(self, grid: tuple, bind, tensors: tuple, fixed: tuple) -> None:
@@ -361,11 +360,11 @@ class RepeatedLaunch:
             self._key, self._fixed = key, fixed
             self._grid = (*grid, 1, 1)[:3]
             names = self._kernel.arg_names[len(args):]
-            assert set(names) <= set(constexprs), "the constexprs are the last parameters"
+            assert set(names) <= set(constexprs), "bind passes the last parameters by name"
             assert set(constexprs) - set(names) <= LAUNCH_OPTIONS, "bind passes every parameter"
-            self._args = [*args, *(constexprs[name] for name in names)]
-            self._runtime_args = len(args)
-            self._slots = [[i for i, a in enumerate(args) if t is not None and a is t]
+            params = [*args, *(constexprs[name] for name in names)]
+            self._args = _launcher_args(self._kernel, params, len(args))
+            self._slots = [[i for i, a in enumerate(self._args) if t is not None and a is t]
                            for t in tensors]
             assert all(slots for slots, t in zip(self._slots, tensors) if t is not None), \
                 "bind passes each tensor it is given as it is (a copy would never be swapped)"
@@ -374,11 +373,17 @@ class RepeatedLaunch:
         for slots, t in zip(self._slots, tensors):
             for slot in slots:
                 args[slot] = t
-        _launch_compiled(self._compiled, self._grid, args, self._runtime_args)
+        self._compiled[self._grid](*args)
 
 
-def _launch_compiled(compiled, grid: tuple, args: list, runtime_args: int) -> None:
-    """compiled[grid] on `args`, or on its first runtime_args where the launcher takes no
-    constexprs. Launchers check nothing (Triton 3.9's calls the enter hook before it reads
-    an argument): the convention must be known, not tried (LAUNCHER_TAKES_CONSTEXPRS)."""
-    compiled[grid](*(args if LAUNCHER_TAKES_CONSTEXPRS else args[:runtime_args]))
+def _launcher_args(kernel, params: list, positional: int) -> list:
+    """What a compiled kernel's launcher takes of the kernel's parameters `params` (all, in
+    order): all of them, or those but the constexprs (Triton before 3.3), which may stand
+    among the positional ones (the span kernel's unit strides). Launchers check nothing
+    (Triton 3.9's calls the enter hook before it reads an argument): the convention must
+    be known, not tried (LAUNCHER_TAKES_CONSTEXPRS). Without Triton's list of constexpr
+    places (a stand-in kernel), those passed by name."""
+    if LAUNCHER_TAKES_CONSTEXPRS:
+        return params
+    constexprs = set(getattr(kernel, "constexprs", range(positional, len(params))))
+    return [p for i, p in enumerate(params) if i not in constexprs]

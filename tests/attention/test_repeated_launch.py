@@ -124,3 +124,45 @@ def test_one_tensor_in_two_places_then_two_tensors_binds_again():
     assert kernel.binds == 2
     _, params = kernel.launches[-1]
     assert params[0] is x and params[1] is y
+
+
+class PositionalConstexprKernel(RecordingKernel):
+    """A kernel with a constexpr among its positional parameters (the span kernel's unit
+    strides), as Triton lists them (JITFunction.constexprs)."""
+
+    arg_names = ["x", "y", "table", "UNIT", "BLOCK"]
+    constexprs = [3, 4]
+
+
+class OldCompiledOfThree(Compiled):
+    """Triton before 3.3's launcher of PositionalConstexprKernel: its three others."""
+
+    def __getitem__(self, grid):
+        def launch(*args):
+            assert len(args) == 3, "a real launcher would read garbage, not refuse"
+            self.kernel.launches.append((grid, args))
+        return launch
+
+
+@pytest.mark.parametrize("compiled", [Compiled, OldCompiledOfThree],
+                         ids=["all_parameters", "no_constexprs"])
+def test_a_constexpr_among_the_positional_parameters_is_left_out_for_old_launchers(
+        monkeypatch, compiled):
+    from minipic.attention import segment_kernels
+
+    monkeypatch.setattr(segment_kernels, "LAUNCHER_TAKES_CONSTEXPRS", compiled is Compiled)
+    kernel = PositionalConstexprKernel(compiled)
+    launch = RepeatedLaunch(kernel)
+
+    def bind(x, y):  # launch options (num_warps) are no parameters: never passed again
+        return (x, y, TABLE, 1), {"BLOCK": 16, "num_warps": 4}
+
+    x, y = torch.zeros(4, 8), torch.ones(4, 8)
+    for _ in range(2):
+        launch((4,), bind, (x, y), (TABLE,))
+    assert kernel.binds == 1 and len(kernel.launches) == 2
+    _, params = kernel.launches[-1]
+    expected = [x, y, TABLE, 1, 16] if compiled is Compiled else [x, y, TABLE]
+    assert len(params) == len(expected)
+    assert all(p is e or p == e for p, e in zip(params, expected) if not isinstance(e, torch.Tensor))
+    assert all(p is e for p, e in zip(params, expected) if isinstance(e, torch.Tensor))
