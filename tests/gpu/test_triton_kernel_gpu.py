@@ -123,6 +123,46 @@ def test_short_queries_split_kv(query_lens, context_lens, dtype):
 
 
 @pytest.mark.parametrize("batch", ["mixed_long", "decode_split"])
+def test_layers_reuse_the_first_layers_binding(batch):
+    """As an engine's span batch launches the kernel (cuda_backend: one launches cache a
+    batch): every layer after the first reuses its binding (segment_kernels.RepeatedLaunch)
+    with its own queries, caches and output, and gets what a launch of its own gives."""
+    import dataclasses
+    import random
+
+    query_lens, context_lens = BATCHES[batch]
+    rng = random.Random(batch)
+    first = make_case(query_lens, context_lens, num_q_heads=32, num_kv_heads=8, head_size=128,
+                      device="cuda", markers=[random_segments(q + c, 16, rng)
+                                              for q, c in zip(query_lens, context_lens)])
+
+    def other_layer(seed):  # new values, the same tables (unowned slots stay NaN)
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+
+        def like(t):
+            values = torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype)
+            return torch.where(t.isnan(), t, values)
+
+        return dataclasses.replace(first, q=like(first.q), k_cache=like(first.k_cache),
+                                   v_cache=like(first.v_cache))
+
+    launches: dict = {}
+    split = tk.split_kv_buffers(SEQ_THRESHOLD_3D, 32, 128, "cuda")
+    for case in (first, other_layer(1), other_layer(2)):
+        out = torch.full_like(case.q, float("nan"))
+        tk.unified_attention_rope(
+            case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
+            seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q,
+            block_table=first.block_table, softmax_scale=case.scale, cos_sin=first.cos_sin,
+            rotary_dim=case.rotary_dim, is_neox_style=case.is_neox, split_output=split[0],
+            split_max=split[1], split_expsum=split[2], seq_threshold_3d=SEQ_THRESHOLD_3D,
+            launches=launches, **span_tables(first))
+        torch.cuda.synchronize()
+        assert torch.equal(out, run_minipic(case)), "a reused binding read another layer's"
+    assert launches and all(launch.binds == 1 for launch in launches.values())
+
+
+@pytest.mark.parametrize("batch", ["mixed_long", "decode_split"])
 def test_scaled_rope_table_turns_keys_purely(batch):
     """A table with an mscale folded in (YaRN-like): keys move between frames by a pure
     rotation (the scale divided out), so scores keep the model's a^2."""
