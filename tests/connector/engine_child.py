@@ -2,11 +2,15 @@
 
     python engine_child.py PLAN.json OUT.json
 
-PLAN: {"model": ..., "extra_config": {...}, "steps": [...]} where a step is
+PLAN: {"model": ..., "extra_config": {...}, "steps": [...], "log": path} where a step is
   {"op": "generate", "name": str, "prompts": [[ids]...], "max_tokens": int}
   {"op": "touch", "path": str}        signal another process
   {"op": "wait", "path": str}         wait for another process's signal
-  {"op": "sleep", "seconds": float}   let background offloading finish
+  {"op": "sleep", "seconds": float}   give something that must not happen time to show
+  {"op": "wait_store", "blocks": int}  until the store holds that many block files: background
+                                       offloading reached the disk (or 60 s: the test's own
+                                       checks then fail)
+  {"op": "wait_log", "text": str}      until this run's log has the text (or 60 s)
   {"op": "cli", "args": [...]}        run `minipic ...` (e.g. store evict) while the engine runs
   {"op": "stall_disk_writes"}          block files wait until release (needs "in_process")
   {"op": "idle_check", "name": str}    step the engine as its busy loop would until a held
@@ -95,6 +99,28 @@ def wait_for(path: str, timeout_s: float = 600) -> None:
         time.sleep(0.2)
 
 
+def store_blocks(store: str) -> int:
+    from minipic.connector.store.stats import NotAStore, scan_store
+
+    try:
+        return sum(ns.blocks for ns in scan_store(store))
+    except (NotAStore, OSError):
+        return 0
+
+
+def wait_until(done, timeout_s: float = 60) -> None:
+    """Polls `done` until it holds or the timeout passes; what the run waited for is then
+    the test's to check."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def log_has(path: str, text: str) -> bool:
+    with open(path, errors="replace") as f:
+        return text in f.read()
+
+
 def main(plan_path: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -114,6 +140,11 @@ def main(plan_path: str, out_path: str) -> None:
             wait_for(step["path"])
         elif step["op"] == "sleep":
             time.sleep(step["seconds"])
+        elif step["op"] == "wait_store":
+            store = plan["extra_config"]["store_dir"]
+            wait_until(lambda: store_blocks(store) >= step["blocks"])
+        elif step["op"] == "wait_log":
+            wait_until(lambda: log_has(plan["log"], step["text"]))
         elif step["op"] == "cli":
             from minipic.cli import main as minipic_cli
 
