@@ -61,6 +61,34 @@ def stop_llm(llm) -> None:
 
 MINIPIC_ON = {"additional_config": {"minipic": {}}}
 
+# Engines kept for the next module that asks for the same one (see minipic_llm).
+_kept_llms: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def minipic_llm(tiny_model):
+    """An engine of engine_kwargs' settings with minipic on (MINIPIC_ON). Modules that use
+    it one after another share one start (test_engine_span_tail.py, test_engine_spans.py:
+    neither asserts on what the other's prompts leave cached); it is stopped before the
+    first test that does not use it, and at the end of the session."""
+    if "minipic_on" not in _kept_llms:
+        _kept_llms["minipic_on"] = start_llm(tiny_model, **MINIPIC_ON)
+    return _kept_llms["minipic_on"]
+
+
+def _stop_kept_llms() -> None:
+    while _kept_llms:
+        stop_llm(_kept_llms.popitem()[1])
+
+
+def pytest_runtest_setup(item):
+    if _kept_llms and "minipic_llm" not in item.fixturenames:
+        _stop_kept_llms()  # e.g. no engine may be running in test_config_refusals.py
+
+
+def pytest_sessionfinish(session):
+    _stop_kept_llms()
+
 
 @contextlib.contextmanager
 def api_server(model: str, log_path: Path, *extra_args: str):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import BLOCK_SIZE, MINIPIC_ON, start_llm, stop_llm
+from conftest import BLOCK_SIZE
 
 from minipic.span_tail import OPT_IN_KEY
 
@@ -14,10 +14,8 @@ SPAN = [SSEP, *range(40, 80)] + [PAD] * (-41 % BLOCK_SIZE)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model):
-    llm = start_llm(tiny_model, **MINIPIC_ON)
-    yield llm
-    stop_llm(llm)
+def llm(minipic_llm):
+    return minipic_llm  # shared with the next module that uses it (conftest.py)
 
 
 def generate(llm, prompt, max_tokens, **extra):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import BLOCK_SIZE, MINIPIC_ON, start_llm, stop_llm
+from conftest import BLOCK_SIZE
 from hf_reference import BlockAttentionReference, epic_mask_and_positions
 
 from minipic.client import block_attention
@@ -29,10 +29,8 @@ LOGPROB_ATOL = _logprob_tolerance()
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model):
-    llm = start_llm(tiny_model, **MINIPIC_ON)
-    yield llm
-    stop_llm(llm)
+def llm(minipic_llm):
+    return minipic_llm  # shared with the next module that uses it (conftest.py)
 
 
 @pytest.fixture(scope="module")
