@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import socket
 import subprocess
@@ -88,6 +89,25 @@ def pytest_runtest_setup(item):
 
 def pytest_sessionfinish(session):
     _stop_kept_llms()
+
+
+# A chat template for the tiny tokenizer, which has none.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . "
+                 "{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def minipic_server(tiny_model, tmp_path_factory):
+    """The base URL of a real OpenAI server: tiny model, minipic on, max_model_len 1024,
+    CHAT_TEMPLATE, no API key. One start for the session, shared by
+    tests/client/test_server_client.py and tests/test_server_request_refusals.py: the
+    refusal tests assert on no cache state, and send none of the client tests' texts."""
+    folder = tmp_path_factory.mktemp("minipic-server")
+    (folder / "template.jinja").write_text(CHAT_TEMPLATE)
+    with api_server(tiny_model, folder / "server.log", "--max-model-len", "1024",
+                    "--chat-template", str(folder / "template.jinja"),
+                    "--additional-config", json.dumps({"minipic": {}})) as url:
+        yield url
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """Requests and configs minipic refuses, as a user of the real OpenAI server sees them.
 
-One server (CPU, tiny model, minipic on, block size 32, markers SSep=3, PDep=4, pad=5)
-answers with the official `openai` client; a second start shows a bad connector option
-stopping the server before it loads the model.
+One server (CPU, tiny model, minipic on, block size 32, markers SSep=3, PDep=4, pad=5;
+conftest's minipic_server, shared with tests/client/test_server_client.py) answers with the
+official `openai` client; a second start shows a bad connector option stopping the server
+before it loads the model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 
 import openai
 import pytest
-from conftest import BLOCK_SIZE, api_server
+from conftest import BLOCK_SIZE
 
 from minipic.config import connector_config
 
@@ -23,11 +24,8 @@ SSEP, PDEP, PAD = 3, 4, 5
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with api_server(tiny_model, log_path, "--max-model-len", "1024",
-                    "--additional-config", json.dumps({"minipic": {}})) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+def client(minipic_server):
+    return openai.OpenAI(base_url=f"{minipic_server}/v1", api_key="EMPTY", max_retries=0)
 
 
 def words(n: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""The client tools against a real OpenAI-compatible vLLM server (one start, CPU, minipic on).
+"""The client tools against a real OpenAI-compatible vLLM server (CPU, minipic on; one start,
+conftest's minipic_server, shared with tests/test_server_request_refusals.py).
 
 The server runs `python -m vllm.entrypoints.openai.api_server` with
 `--additional-config '{"minipic": {}}'` and `--enable-prompt-tokens-details`,
@@ -10,14 +11,13 @@ chat template (the tiny tokenizer has none) for chat requests with `documents`.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import BLOCK_SIZE, api_server
+from conftest import BLOCK_SIZE
 
 from minipic.client.backends import OpenAIServerBackend
 from minipic.client.rag.isps import InterleavedScheduler
@@ -32,18 +32,9 @@ EXAMPLES = Path(__file__).parents[2] / "examples" / "corpus"
 MAX_MODEL_LEN = 1024
 
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . "
-            "{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
-
-
 @pytest.fixture(scope="module")
-def url(tiny_model, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("server")
-    (folder / "template.jinja").write_text(TEMPLATE)
-    with api_server(tiny_model, folder / "server.log", "--max-model-len", str(MAX_MODEL_LEN),
-                    "--chat-template", str(folder / "template.jinja"),
-                    "--additional-config", json.dumps({"minipic": {}})) as base_url:
-        yield base_url
+def url(minipic_server):
+    return minipic_server  # max_model_len MAX_MODEL_LEN, a chat template (conftest.py)
 
 
 @pytest.fixture
