@@ -1,8 +1,10 @@
 """The turn and merge kernels around FlashAttention rows (segment_kernels.py) under the Triton
 interpreter (CPU CI), against their torch versions on an EPIC batch's plan.
 
-As in test_triton_kernel_interpreter.py, the kernels run in a child process that sets
-TRITON_INTERPRET=1 before triton is imported; it prints one JSON line of errors.
+As in test_triton_kernel_interpreter.py, the kernels run in child processes that set
+TRITON_INTERPRET=1 before triton is imported; each prints one JSON line of errors for the
+cases named on its command line. One child per case, all at once (the interpreter keeps a
+core busy each).
 """
 
 from __future__ import annotations
@@ -218,10 +220,17 @@ def interpreter_errors() -> dict:
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    children = [subprocess.Popen([sys.executable, __file__, case_name], env=env, cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for case_name in CASES]
+    results: dict = {"variants": {}}
+    for child in children:
+        out, err = child.communicate(timeout=600)
+        assert child.returncode == 0, err[-4000:]
+        child_results = json.loads(out.strip().splitlines()[-1])
+        results["variants"].update(child_results.pop("variants"))
+        results.update(child_results)
+    return results
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -262,7 +271,7 @@ def test_start_up_compiles_each_variant_a_span_batch_launches(interpreter_errors
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
     results: dict = {"variants": {}}
-    for case_name in CASES:
+    for case_name in sys.argv[1:]:
         try:
             results[case_name] = _errors(case_name)
         except Exception as exc:  # report, so the other case still runs

@@ -2,8 +2,10 @@
 
 The interpreter is chosen when a kernel is decorated, so the cases run in a
 child process that sets TRITON_INTERPRET=1 before anything imports triton
-(vLLM, imported by other tests, imports triton too). The child runs every case
-once and prints one JSON line of relative errors; each test checks its case.
+(vLLM, imported by other tests, imports triton too). A child runs the cases named
+on its command line once each and prints one JSON line of relative errors; each
+test checks its case. Two children run at once (the interpreter keeps a core busy
+each): the kernel's cases, and the backend's (which import vLLM).
 """
 
 from __future__ import annotations
@@ -426,10 +428,16 @@ def interpreter_errors() -> dict[str, float]:
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    groups = [list(CASES), [*BACKEND_CASES, BACKEND_LINK_CASE, BACKEND_QUIET_CASE]]
+    children = [subprocess.Popen([sys.executable, __file__, *group], env=env, cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for group in groups]
+    results: dict[str, float | str] = {}
+    for child in children:
+        out, err = child.communicate(timeout=900)
+        assert child.returncode == 0, err[-4000:]
+        results.update(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -461,25 +469,23 @@ def test_short_queries_launch_prefill_q_blocks():
     assert tk.choose_config(1, False, 128) is tk.DECODE_2D
 
 
+def _run(case_name: str) -> float | str:
+    if case_name in CASES:
+        return _run_case(case_name)
+    if case_name in BACKEND_CASES:
+        return _run_backend_forward(case_name)
+    if case_name == BACKEND_LINK_CASE:
+        return _run_backend_links()
+    assert case_name == BACKEND_QUIET_CASE, case_name
+    return _run_backend_mask_markers()
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
     results: dict[str, float | str] = {}
-    for case_name in CASES:
+    for case_name in sys.argv[1:]:
         try:
-            results[case_name] = _run_case(case_name)
+            results[case_name] = _run(case_name)
         except Exception as exc:  # report, so the other cases still run
             results[case_name] = f"{type(exc).__name__}: {exc}"
-    for case_name in BACKEND_CASES:
-        try:
-            results[case_name] = _run_backend_forward(case_name)
-        except Exception as exc:
-            results[case_name] = f"{type(exc).__name__}: {exc}"
-    try:
-        results[BACKEND_LINK_CASE] = _run_backend_links()
-    except Exception as exc:
-        results[BACKEND_LINK_CASE] = f"{type(exc).__name__}: {exc}"
-    try:
-        results[BACKEND_QUIET_CASE] = _run_backend_mask_markers()
-    except Exception as exc:
-        results[BACKEND_QUIET_CASE] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(results))
