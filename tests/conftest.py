@@ -110,6 +110,20 @@ def minipic_server(tiny_model, tmp_path_factory):
         yield url
 
 
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_model, tmp_path_factory):
+    """The base URL of a real OpenAI server of SmolLM2-135M-Instruct with minipic on (its
+    markers), max_model_len 2048. One start for the session, shared by
+    tests/devtools/test_smollm2.py (a question without documents) and
+    tests/serving/test_server_chat_documents_smollm2.py (whose hits are its own documents')."""
+    from minipic.devtools.smollm2 import smollm2_protocol
+
+    log_path = tmp_path_factory.mktemp("smollm2-server") / "server.log"
+    with api_server(smollm2_model, log_path, "--max-model-len", "2048", "--additional-config",
+                    json.dumps({"minipic": smollm2_protocol()})) as url:
+        yield url
+
+
 @contextlib.contextmanager
 def api_server(model: str, log_path: Path, *extra_args: str):
     """A real OpenAI-compatible vLLM server in a subprocess; yields its base URL.

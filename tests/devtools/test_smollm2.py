@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import start_llm, stop_llm
-
 pytestmark = pytest.mark.real_model
 
 
@@ -31,20 +29,14 @@ def test_build_is_cached(smollm2_model):
     assert str(smollm2_model_dir(smollm2_model)) == smollm2_model  # no rebuild
 
 
-@pytest.fixture(scope="module")
-def smollm2_llm(smollm2_model):
-    from minipic.devtools.smollm2 import smollm2_protocol
-
-    llm = start_llm(smollm2_model, max_model_len=2048,
-                    additional_config={"minipic": smollm2_protocol()})
-    yield llm
-    stop_llm(llm)
-
-
 @pytest.mark.engine
-def test_answers_capital_of_france(smollm2_llm):
-    from vllm import SamplingParams
+def test_answers_capital_of_france(smollm2_server):
+    """Served by the real OpenAI server, minipic on (conftest's smollm2_server, one start
+    shared with tests/serving/test_server_chat_documents_smollm2.py)."""
+    import openai
 
-    out = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                           SamplingParams(max_tokens=20, temperature=0.0))
-    assert "Paris" in out[0].outputs[0].text
+    client = openai.OpenAI(base_url=f"{smollm2_server}/v1", api_key="EMPTY", max_retries=0)
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=20, temperature=0.0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in out.choices[0].message.content

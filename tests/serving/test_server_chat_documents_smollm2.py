@@ -5,11 +5,9 @@ the same documents twice in two orders, and the second call's cached tokens cove
 
 from __future__ import annotations
 
-import json
-
 import openai
 import pytest
-from conftest import BLOCK_SIZE, api_server
+from conftest import BLOCK_SIZE
 
 from minipic.client import epic
 
@@ -26,13 +24,9 @@ MESSAGES = [{"role": "system", "content": "Answer from the documents, in one sho
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_model, tmp_path_factory):
-    from minipic.devtools.smollm2 import smollm2_protocol
-
-    log_path = tmp_path_factory.mktemp("smollm2-server") / "server.log"
-    with api_server(smollm2_model, log_path, "--max-model-len", "2048", "--additional-config",
-                    json.dumps({"minipic": smollm2_protocol()})) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+def client(smollm2_server):
+    # max_model_len 2048, the model's markers (conftest.py; shared with test_smollm2.py)
+    return openai.OpenAI(base_url=f"{smollm2_server}/v1", api_key="EMPTY", max_retries=0)
 
 
 def ask(client, documents):
