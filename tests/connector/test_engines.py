@@ -147,6 +147,7 @@ class Runs:
             assert name in self._done or any(r["name"] == name
                                               for r in self._queue + self._running), name
             while name not in self._done:
+                assert self._thread.is_alive(), "the thread that runs the engines died"
                 self._cond.wait(1)
             run = self._done[name]
         if run["error"] is not None:
@@ -159,6 +160,7 @@ class Runs:
         with self._cond:
             self._foreground += 1  # no run starts meanwhile
             while self._foreground + sum(r["width"] for r in self._running) > self.WIDTH:
+                assert self._thread.is_alive(), "the thread that runs the engines died"
                 self._cond.wait(1)
         try:
             yield
