@@ -160,9 +160,9 @@ def _count_span_paths() -> dict:
 
 
 def _span_answers(llm, with_prompt_logprobs, without) -> dict:
-    """Span prompts: spans prefilled alone, then the final prompts as hits ("cached"), and
-    once more with prompt logprobs ("first"), which vLLM computes without its prefix
-    cache: the spans are then computed inside the final prompt."""
+    """Span prompts: spans prefilled alone, then the final prompts as hits ("cached"), once
+    more with prompt logprobs ("first"), which vLLM computes without its prefix cache (the
+    spans are then computed inside the final prompt), and the first one as a hit alone."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -171,9 +171,8 @@ def _span_answers(llm, with_prompt_logprobs, without) -> dict:
     spans = [TokensPrompt(prompt_token_ids=s) for p in prompts for s in p.span_prefills]
     llm.generate(spans, prefill, use_tqdm=False)
     answers = {}
-    # "alone": the Block-Attention hit in a batch of its own, a short span prefill without
-    # links (span_attention "auto" gives it the span kernel; in a batch with the EPIC
-    # prompts it takes the rows)
+    # "alone": the Block-Attention hit in a batch of its own is a short span prefill without
+    # links (span_attention "auto" gives it the span kernel; beside the EPIC prompts, the rows)
     for label, params, batch in (("cached", without, prompts), ("first", with_prompt_logprobs,
                                                                 prompts),
                                  ("alone", without, prompts[:1])):
