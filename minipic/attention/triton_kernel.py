@@ -160,7 +160,14 @@ def _turned_back(q1, q2, cos_sin_ptr, cos_sin_stride, room, offs_r, r_mask,
     return (a * cos + b * sin).to(q1.dtype), (b * cos - a * sin).to(q1.dtype)
 
 
-@triton.jit
+# Sizes that change from batch to batch are not specialized on (Triton specializes an int
+# argument, typed or not, on being 1 or a multiple of 16): each new combination would compile
+# the kernel again, seconds with every request of the step waiting, and the variants
+# compile_short_prefills warms at start-up would not be the ones later batches take.
+SIZES_NOT_SPECIALIZED = ["num_seqs", "block_table_stride", "span_table_stride", "quiet_stride"]
+
+
+@triton.jit(do_not_specialize=SIZES_NOT_SPECIALIZED)
 def minipic_attention_kernel(
     out_ptr,  # [tokens, q_heads, head_size]
     q_ptr,  # [tokens, q_heads, head_size], rotated at their positions
@@ -180,7 +187,7 @@ def minipic_attention_kernel(
     split_max_ptr,  # 3D only: [tokens, q_heads, NUM_SPLITS] fp32
     split_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SPLITS] fp32
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
-    num_seqs: tl.int32,  # typed so a batch of one is not specialised to a constant
+    num_seqs: tl.int32,
     block_table_stride: tl.int64,
     q_stride_0: tl.int64,
     q_stride_1: tl.int64,
@@ -384,7 +391,7 @@ def minipic_attention_kernel(
                  mask=row_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _reduce_splits(
     out_ptr,
     split_out_ptr,
@@ -722,10 +729,12 @@ def compile_short_prefills(num_q_heads: int, num_kv_heads: int, head_size: int,
                            dtype: torch.dtype, rotary_dim: int, is_neox_style: bool,
                            block_size: int, device: torch.device) -> None:
     """Launch, on zeros, the two variants of the span kernel a short span prefill takes
-    (cuda_backend.KERNEL_MAX_QUERY_TOKENS: split KV, and 2D for a 128-token query), so that
+    (cuda_backend.KERNEL_MAX_QUERY_TOKENS: split KV, and 2D for a 128-token query), as
+    SpanBatchImpl.forward launches them (the split-KV scratch passed either way), so that
     Triton compiles them when the engine starts, not in the first span hit (seconds, every
-    request of that step waiting). Only constexprs and pointer alignment select a variant:
-    the sizes are typed arguments."""
+    request of that step waiting). Besides the constexprs, Triton specializes on pointer
+    alignment and on the strides of the queries, caches and cos/sin table, which hold for
+    every batch of an engine, not on the sizes that change (SIZES_NOT_SPECIALIZED)."""
     def zeros(*shape, dtype=dtype):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
@@ -733,15 +742,14 @@ def compile_short_prefills(num_q_heads: int, num_kv_heads: int, head_size: int,
     q, out = zeros(2, num_q_heads, head_size), zeros(2, num_q_heads, head_size)
     tables = zeros(1, 2, dtype=torch.int32)
     per_request = zeros(1, dtype=torch.int32)
+    split = split_kv_buffers(SPLIT_KV_MAX_TOKENS, num_q_heads, head_size, device)
     common = dict(cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device=device),
                   seqused_k=torch.full((1,), 2, dtype=torch.int32, device=device),
                   block_table=tables, softmax_scale=1.0,
                   cos_sin=zeros(2, rotary_dim, dtype=torch.float32), rotary_dim=rotary_dim,
                   is_neox_style=is_neox_style, span_of=tables, context_pos=tables,
                   frame_offset=tables, span_block_size=block_size, links_end=per_request,
-                  link_tokens=per_request)
-    split = split_kv_buffers(SPLIT_KV_MAX_TOKENS, num_q_heads, head_size, device)
-    unified_attention_rope(q, cache, cache, out, max_seqlen_q=2, split_output=split[0],
-                           split_max=split[1], split_expsum=split[2],
-                           seq_threshold_3d=MIN_GRID_2D // num_kv_heads, **common)
-    unified_attention_rope(q, cache, cache, out, max_seqlen_q=SPLIT_MAX_QUERY_LEN, **common)
+                  link_tokens=per_request, split_output=split[0], split_max=split[1],
+                  split_expsum=split[2], seq_threshold_3d=MIN_GRID_2D // num_kv_heads)
+    for max_seqlen_q in (2, SPLIT_MAX_QUERY_LEN):  # split KV below SPLIT_MAX_QUERY_LEN
+        unified_attention_rope(q, cache, cache, out, max_seqlen_q=max_seqlen_q, **common)
