@@ -12,8 +12,9 @@ cache in one of two ways:
     (segment_plan.py, segment_attention.py);
   * minipic's Triton kernel (`triton_kernel.unified_attention_rope`), which turns keys
     forward by their frame offsets per tile and applies the span and EPIC link rules:
-    for batches with mask_markers (it hides single marker and padding keys), on FA2 and
-    for fp32 models, and with the option span_attention="triton".
+    for short span prefills under span_attention="auto" (a span hit's question: one launch
+    a layer, no plan; `_short_prefill`), for batches with mask_markers (it hides single
+    marker and padding keys), on FA2 and for fp32 models, and with span_attention="triton".
 Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
     models: what stock vLLM picks there;
@@ -249,6 +250,8 @@ class SpanBatchBuilder:
         """vLLM reuses one KV cache group's metadata for another with its own block table:
         the rows' physical tables follow it."""
         new = super().update_block_table(metadata, blk_table, slot_mapping)
+        # its own kernel launches: a shared cache would bind again at every change of group
+        new.minipic_launches = {}
         if getattr(metadata, "minipic_rows", None) is not None:
             new.minipic_rows = with_block_table(metadata.minipic_rows, blk_table)
         return new

@@ -632,7 +632,7 @@ def unified_attention_rope(
     tables = (cos_sin, block_table, seqused_k, cu_seqlens_q, span_of, context_pos,
               frame_offset, links_end, link_tokens, quiet_bits)
     launch(minipic_attention_kernel, grid, bind, (out, q, k_cache, v_cache),
-           (*tables, split_output, split_max, split_expsum, softmax_scale, config,
+           (*tables, split_output, split_max, split_expsum, softmax_scale, config, use_3d,
             rotary_dim, is_neox_style, span_block_size, max_seqlen_q), launches, "attention")
     if use_3d:
         def bind_reduce(out):
@@ -642,8 +642,8 @@ def unified_attention_rope(
                 HEAD_SIZE_PADDED=head_size_padded, NUM_SPLITS=num_splits)
 
         launch(_reduce_splits, (num_tokens, num_q_heads), bind_reduce, (out,),
-               (split_output, split_max, split_expsum, seqused_k, cu_seqlens_q, config),
-               launches, "reduce")
+               (split_output, split_max, split_expsum, seqused_k, cu_seqlens_q, config,
+                num_q_heads, head_size), launches, "reduce")
     return out
 
 

@@ -220,6 +220,19 @@ def test_rows_follow_another_kv_cache_groups_block_table(monkeypatch):
     assert not torch.equal(new.minipic_rows.joint_table, md.minipic_rows.joint_table)
 
 
+def test_another_kv_cache_group_binds_its_own_kernel_launches(monkeypatch):
+    """vLLM copies one group's metadata for another (copy.copy): the span kernel's launch
+    cache must not be shared, or layers of two groups would bind again by turns."""
+    import copy
+
+    builder = new_builder(monkeypatch, "flash_kernel")
+    md = build(builder, monkeypatch, ["-S-S-LLP"], [42], [122])
+    monkeypatch.setattr(FlashAttentionMetadataBuilder, "update_block_table",
+                        lambda self, metadata, blk_table, slot_mapping: copy.copy(metadata))
+    new = builder.update_block_table(md, torch.zeros(1, MAX_BLOCKS, dtype=torch.int32), None)
+    assert new.minipic_launches == {} and new.minipic_launches is not md.minipic_launches
+
+
 def test_rows_past_the_copy_limit_go_in_groups_of_query_tokens(monkeypatch):
     """Each non-causal row copies its run's queries: past the builder's row_copy_limit the
     batch is planned in groups of query tokens that stay within it (plan_groups.py), each
