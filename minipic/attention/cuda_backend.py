@@ -121,9 +121,10 @@ class SpanBatchBuilder:
         from minipic.config import mask_markers, span_attention
 
         # FA3 only: FA2's varlen LSE for GQA decodes (its swapped query groups) is untested
-        self.use_flash_rows = (self.has_flash_rows and span_attention(vllm_config) != "triton"
+        attention = span_attention(vllm_config)
+        self.use_flash_rows = (self.has_flash_rows and attention != "triton"
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
-        self.short_prefills_on_kernel = span_attention(vllm_config) == "auto"
+        self.short_prefills_on_kernel = attention == "auto"
         self.full_graphs = (self.use_flash_rows
                             and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
         if self.use_flash_rows and not mask_markers(vllm_config):  # else the span kernel's
@@ -489,8 +490,7 @@ KERNEL_MAX_QUERY_TOKENS = 128
 def _short_prefill(layout, query_start_loc: list[int]) -> bool:
     """Whether a span batch is short enough for the span kernel (KERNEL_MAX_QUERY_TOKENS)."""
     tokens, requests = query_start_loc[-1], len(query_start_loc) - 1
-    return (requests < tokens <= KERNEL_MAX_QUERY_TOKENS
-            and (layout.link_tokens is None or not bool(layout.link_tokens.any())))
+    return requests < tokens <= KERNEL_MAX_QUERY_TOKENS and not layout.has_links()
 
 
 def _host_extents(m) -> tuple[list[int], list[int]]:
