@@ -92,11 +92,8 @@ def idle_check(llm, stalled: StalledWrites, timeout_s: float = 10.0) -> dict:
 
 
 def wait_for(path: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no signal at {path}")
-        time.sleep(0.2)
+    if not wait_until(lambda: os.path.exists(path), timeout_s):
+        raise TimeoutError(f"no signal at {path}")
 
 
 def store_blocks(store: str) -> int:
@@ -108,12 +105,14 @@ def store_blocks(store: str) -> int:
         return 0
 
 
-def wait_until(done, timeout_s: float = 60) -> None:
-    """Polls `done` until it holds or the timeout passes; what the run waited for is then
-    the test's to check."""
+def wait_until(done, timeout_s: float = 60) -> bool:
+    """Polls `done` until it holds (True) or the timeout passes (False)."""
     deadline = time.monotonic() + timeout_s
-    while not done() and time.monotonic() < deadline:
+    while not done():
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.1)
+    return True
 
 
 def log_has(path: str, text: str) -> bool:
@@ -140,7 +139,7 @@ def main(plan_path: str, out_path: str) -> None:
             wait_for(step["path"])
         elif step["op"] == "sleep":
             time.sleep(step["seconds"])
-        elif step["op"] == "wait_store":
+        elif step["op"] == "wait_store":  # past the timeout, the test's own checks decide
             store = plan["extra_config"]["store_dir"]
             wait_until(lambda: store_blocks(store) >= step["blocks"])
         elif step["op"] == "wait_log":
