@@ -23,10 +23,7 @@ Variants, all on the same cache and queries:
   flash_rows      minipic's default span path: segment_plan's rows on FA3, merged by LSE
                   (query turns and merge included; `plan_ms`: building the plan on the
                   host and making it ready on the device, once per batch for all layers);
-  triton          minipic's Triton span kernel, every key turned out of its frame;
-  triton_tiles    the same kernel on frame tiles (frame_tiles.py: Q turned into each
-                  tile's frame), batches without links; `--tile-sweep` adds it at other
-                  tile and launch shapes (tiles<keys>_m<rows>_w<warps>_s<stages>).
+  triton          minipic's Triton span kernel (span_attention="triton").
 Times: `*_ms` median of CUDA-event timed launches after warm-up (eager: launch gaps
 included); `*_gpu_ms` the call replayed from a CUDA graph (GPU time alone; None if it
 cannot be captured); `*_host_us`: the host's time to launch one call (what a host-bound
@@ -53,7 +50,6 @@ from typing import NamedTuple
 import torch
 
 from minipic.attention import triton_kernel as tk
-from minipic.attention.frame_tiles import TILE_KEYS, FrameTiles, frame_tiles
 from minipic.attention.segment_attention import prepare, segment_attention, vllm_flash_rows
 from minipic.attention.segment_plan import segment_plan
 from minipic.devtools.paged_attention_case import (epic_markers, marker_layout, relative_error,
@@ -116,11 +112,6 @@ class Batch:
         self.cos_sin = rope_table(HEAD, 2 * seq_len + 64, device="cuda")
         self.scale = HEAD ** -0.5
 
-    def frame_tiles(self, keys: int) -> FrameTiles:
-        layout = self.layout_host
-        return frame_tiles(layout.frame_offset, layout.span_of, self.seq_lens.tolist(), BLOCK,
-                           keys).to("cuda")
-
     def plan(self):
         qsl = self.cu.tolist()
         plan = segment_plan(self.layout_host, qsl, self.seq_lens.tolist(), BLOCK)
@@ -157,12 +148,7 @@ def shared_documents(reqs: int, markers: str, pool: int, gen: torch.Generator
     return shuffle[unshuffled], span_id
 
 
-# --tile-sweep: frame tiles of these keys x launch shapes (the 3D grid of a hit's question)
-TILE_SWEEP = [(keys, tk.LaunchConfig(m, keys, w, stages)) for keys in (64, 128)
-              for m in (64, 128) for w in (4, 8) for stages in (2, 3)]
-
-
-def launchers(b: Batch, out: torch.Tensor, tile_sweep: list = ()) -> dict:
+def launchers(b: Batch, out: torch.Tensor) -> dict:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     batch = b.plan()
@@ -179,23 +165,16 @@ def launchers(b: Batch, out: torch.Tensor, tile_sweep: list = ()) -> dict:
         segment_attention(b.q, b.k, b.v, out, batch,
                           functools.partial(vllm_flash_rows, scale=b.scale, fa_version=3))
 
-    def triton(tiles=None, config=None, launches=launches):
+    def triton():
         tk.unified_attention_rope(
             b.q, b.k, b.v, out, cu_seqlens_q=b.cu, seqused_k=b.seq_lens,
             max_seqlen_q=b.q_len, block_table=b.table, softmax_scale=b.scale,
             cos_sin=b.cos_sin, rotary_dim=HEAD, is_neox_style=True, split_output=split[0],
             split_max=split[1], split_expsum=split[2],
-            seq_threshold_3d=tk.MIN_GRID_2D // KV_HEADS, launches=launches, config=config,
-            frame_tiles=tiles, **tk.span_table_args(b.layout, BLOCK))
+            seq_threshold_3d=tk.MIN_GRID_2D // KV_HEADS, launches=launches,
+            **tk.span_table_args(b.layout, BLOCK))
 
-    variants = {"fa3": fa3, "flash_rows": flash_rows, "triton": triton}
-    if not b.layout_host.has_links():  # frame tiles take no links
-        tiles = b.frame_tiles(TILE_KEYS)
-        variants["triton_tiles"] = functools.partial(triton, tiles, launches={})
-    for keys, config in tile_sweep:
-        name = f"tiles{keys}_m{config.block_m}_w{config.num_warps}_s{config.num_stages}"
-        variants[name] = functools.partial(triton, b.frame_tiles(keys), config, None)
-    return variants
+    return {"fa3": fa3, "flash_rows": flash_rows, "triton": triton}
 
 
 def time_ms(fn, repeats: int = 50) -> float:
@@ -282,12 +261,12 @@ def kernel_table(fn, repeats: int = 20) -> str:
         sort_by="device_time_total", row_limit=12, max_name_column_width=60)
 
 
-def measure(name: str, out_dir: Path, host_profile_too: bool = False, kernels_too: bool = False,
-            tile_sweep: list = ()) -> dict:
+def measure(name: str, out_dir: Path, host_profile_too: bool = False, kernels_too: bool = False
+            ) -> dict:
     b = Batch(name, torch.Generator().manual_seed(0))
     outs, row = {}, {"batch": name, "requests": b.cu.numel() - 1, "query_tokens": b.q.shape[0],
                      "seq_len": b.seq_len}
-    variants = launchers(b, out := torch.empty_like(b.q), tile_sweep)
+    variants = launchers(b, out := torch.empty_like(b.q))
     if host_profile_too:
         (out_dir / f"host_profile_{name}.txt").write_text(host_profile(variants["flash_rows"]))
     if kernels_too:
@@ -301,9 +280,6 @@ def measure(name: str, out_dir: Path, host_profile_too: bool = False, kernels_to
         row[f"{variant}_host_us"] = round(host_us(fn), 1)
     row["plan_ms"] = round(plan_ms(b), 3)
     row["flash_rows_vs_triton_error"] = relative_error(outs["flash_rows"], outs["triton"])
-    for variant in outs:
-        if variant.startswith("tiles") or variant == "triton_tiles":
-            row[f"{variant}_vs_triton_error"] = relative_error(outs[variant], outs["triton"])
     row["flash_rows_vs_fa3"] = round(row["flash_rows_ms"] / row["fa3_ms"], 3)
     row["triton_vs_fa3"] = round(row["triton_ms"] / row["fa3_ms"], 3)
     return row
@@ -317,14 +293,11 @@ def main() -> None:
                         help="cProfile each batch's rows path into --out")
     parser.add_argument("--kernels", action="store_true",
                         help="each variant's GPU kernels by time, into --out")
-    parser.add_argument("--tile-sweep", action="store_true",
-                        help="also time frame tiles at each of TILE_SWEEP's launch shapes")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.batches:
-        rows.append(measure(name, args.out, args.host_profile, args.kernels,
-                            TILE_SWEEP if args.tile_sweep else ()))
+        rows.append(measure(name, args.out, args.host_profile, args.kernels))
         print(json.dumps(rows[-1]), flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     (args.out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))

@@ -57,7 +57,6 @@ from vllm.v1.attention.backends.triton_attn import (
 from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
 from minipic.attention.decode_dispatch import graph_step, note_block_size
 from minipic.attention.decode_graph import DecodeGraphRows
-from minipic.attention.frame_tiles import frame_tiles
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
@@ -69,7 +68,6 @@ from minipic.attention.segment_kernels import compile_variants
 from minipic.attention.segment_plan import segment_plan
 from minipic.attention.span_layout import current_layout, key_turn_backs, token_shifts
 from minipic.attention.triton_kernel import (
-    FRAME_TILES_MAX_HEAD,
     MIN_GRID_2D,
     SPLIT_KV_MAX_TOKENS,
     check_rope,
@@ -93,8 +91,6 @@ class SpanBatchBuilder:
     `minipic_tables` (the per block tables of this batch's SpanLayout, on the device)
     for span batches attended by the kernel, else None;
     `minipic_quiet_bits` (mask_markers: triton_kernel.quiet_words, else None),
-    `minipic_frame_tiles` (kernel path without links or quiet keys: the keys' frame
-    tiles, frame_tiles.FrameTiles, on the device; else None),
     `minipic_token_shift` (kernel path: the Q turn-backs of link tokens, a rotation.Rotation;
     the rows fold them into their own turns; None
     without links), `minipic_key_turn` (the K turn-backs before the cache write, None
@@ -185,7 +181,7 @@ class SpanBatchBuilder:
         layout = current_layout(m.num_reqs, self.block_size, m.max_seq_len, decoding)
         has_spans = layout is not None and not layout.is_plain()
         metadata.minipic_tables = metadata.minipic_quiet_bits = None
-        metadata.minipic_rows = metadata.minipic_frame_tiles = None
+        metadata.minipic_rows = None
         metadata.minipic_token_shift = metadata.minipic_key_turn = None
         if has_spans:
             query_start_loc, seq_lens = _host_extents(m)
@@ -227,7 +223,7 @@ class SpanBatchBuilder:
             m.num_reqs, plan, seq_lens, key_turns, m.block_table_tensor, self.block_size,
             rope.cos_sin(self.device))
         metadata.minipic_tables = metadata.minipic_quiet_bits = None
-        metadata.minipic_frame_tiles = metadata.minipic_token_shift = None
+        metadata.minipic_token_shift = None
         metadata.minipic_span_block_size = self.block_size
         metadata.minipic_split_kv_scratch = self.split_kv_scratch
         metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
@@ -263,17 +259,12 @@ class SpanBatchBuilder:
 
     def _kernel_tables(self, metadata, layout, seq_lens: list[int]) -> None:
         """Per block tables to the device for the span kernel; per token ones stay
-        (mask_markers: as bits). Without links or quiet keys, the keys' frame tiles too
-        (frame_tiles.py: the kernel turns Q into a tile's frame, not every key out of it)."""
+        (mask_markers: as bits)."""
         metadata.minipic_tables = dataclasses.replace(
             layout, quiet=None, logical=None, span_id=None).to(self.device)
         if layout.quiet is not None:
             metadata.minipic_quiet_bits = quiet_words(
                 layout.quiet, max(seq_lens)).to(self.device, non_blocking=True)
-        elif not layout.has_links() and self.headdim <= FRAME_TILES_MAX_HEAD:
-            host = layout.to("cpu")
-            metadata.minipic_frame_tiles = frame_tiles(
-                host.frame_offset, host.span_of, seq_lens, self.block_size).to(self.device)
 
 
 class SpanBatchImpl:
@@ -336,7 +327,6 @@ class SpanBatchImpl:
             rotary_dim=rope.rotary_dim, is_neox_style=rope.is_neox_style,
             split_output=split_output, split_max=split_max, split_expsum=split_expsum,
             seq_threshold_3d=md.minipic_seq_threshold_3d, launches=md.minipic_launches,
-            frame_tiles=md.minipic_frame_tiles,
             **span_table_args(md.minipic_tables, md.minipic_span_block_size,
                               md.minipic_quiet_bits),
         )

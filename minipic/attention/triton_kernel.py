@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minipic.attention.frame_tiles import FrameTiles
 from minipic.attention.segment_kernels import launch
 
 _LOG2E = 1.4426950408889634
@@ -161,101 +160,11 @@ def _turned_back(q1, q2, cos_sin_ptr, cos_sin_stride, room, offs_r, r_mask,
     return (a * cos + b * sin).to(q1.dtype), (b * cos - a * sin).to(q1.dtype)
 
 
-@triton.jit
-def _attend_frame_tiles(
-    q1, q2, q3, row_mask, query_abs_pos, seq_idx, split, k_cache_ptr, v_cache_ptr,
-    block_tables_ptr, block_table_stride, cos_sin_ptr, cos_sin_stride, span_of_ptr,
-    context_pos_ptr, frame_offset_ptr, span_table_stride, tile_start_ptr, tile_end_ptr,
-    tile_count_ptr, tile_stride, qk_scale, kv_head, k_stride_0, k_stride_1, k_stride_2,
-    k_stride_3: tl.constexpr, v_stride_0, v_stride_1, v_stride_2, v_stride_3: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
-    ROT_HALF: tl.constexpr, ROT_HALF_PADDED: tl.constexpr, PASS_SIZE: tl.constexpr,
-    PASS_PADDED: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_3D: tl.constexpr,
-    SPAN_BLOCK: tl.constexpr,
-):
-    """The online softmax of a q-block over its request's frame tiles (frame_tiles.py):
-    every tile's keys share one frame, so K goes to the dot as stored and Q is turned back
-    into the tile's frame instead, once each time the frame changes (a span's tiles run
-    in a row). Nothing is rotated per key, and K feeds the dot straight from memory, where
-    Triton's pipeliner stages it. No links (the host sends link batches the other way).
-    In 3D this program takes its split's share of the tiles; a split with none still
-    stores its (empty) partials, which _reduce_splits reads with ALL_SPLITS."""
-    offs_r = tl.arange(0, ROT_HALF_PADDED)
-    r_mask = offs_r < ROT_HALF
-    dim_1, dim_2 = _pair_dims(offs_r, ROT_HALF, IS_NEOX)
-    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
-    d_mask = offs_d < HEAD_SIZE
-    offs_p = tl.arange(0, PASS_PADDED)
-    p_mask = offs_p < PASS_SIZE
-    dim_p = 2 * ROT_HALF + offs_p
-    span_row = seq_idx.to(tl.int64) * span_table_stride
-    tile_row = seq_idx.to(tl.int64) * tile_stride
-    block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
-    q_span, q_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row,
-                                          query_abs_pos, row_mask, SPAN_BLOCK)
-    num_tiles = tl.load(tile_count_ptr + seq_idx)
-    if IS_3D:
-        per_split = _cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = tl.minimum(split * per_split, num_tiles)
-        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_tiles
-    M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    L = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-    q_frame = tl.zeros([], dtype=tl.int32)  # the frame q1t/q2t are turned into
-    q1t, q2t = q1, q2
-    for j in range(tile_lo, tile_hi):
-        start = tl.load(tile_start_ptr + tile_row + j)
-        offs_t = start + tl.arange(0, TILE_SIZE)
-        t_mask = offs_t < tl.load(tile_end_ptr + tile_row + j)
-        frame = tl.load(frame_offset_ptr + span_row + start // SPAN_BLOCK)
-        if frame != q_frame:  # a new span: Q turned back by its start, from Q as given
-            q1t, q2t = _turned_back(q1, q2, cos_sin_ptr, cos_sin_stride, frame, offs_r,
-                                    r_mask, ROT_HALF)
-            q_frame = frame
-        block = tl.load(block_table_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        k_base = (k_cache_ptr + block * k_stride_0 + (offs_t % BLOCK_SIZE).to(tl.int64) * k_stride_1
-                  + kv_head * k_stride_2)
-        kr_mask = r_mask[:, None] & t_mask[None, :]
-        k1 = tl.load(k_base[None, :] + dim_1[:, None] * k_stride_3, mask=kr_mask, other=0.0)
-        k2 = tl.load(k_base[None, :] + dim_2[:, None] * k_stride_3, mask=kr_mask, other=0.0)
-        S = tl.dot(q1t, k1.to(q1.dtype))
-        S = tl.dot(q2t, k2.to(q1.dtype), S)
-        if PASS_SIZE > 0:
-            k3 = tl.load(k_base[None, :] + dim_p[:, None] * k_stride_3,
-                         mask=p_mask[:, None] & t_mask[None, :], other=0.0)
-            S = tl.dot(q3, k3.to(q1.dtype), S)
-        S = S * qk_scale
-        k_span, k_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row, offs_t,
-                                              t_mask, SPAN_BLOCK)
-        visible = (row_mask[:, None] & t_mask[None, :]
-                   & (offs_t[None, :] <= query_abs_pos[:, None])
-                   & _span_visible(q_span, q_context, k_span, k_context))
-        S = tl.where(visible, S, float("-inf"))
-        # Online softmax as in minipic_attention_kernel (M stays -inf until a row sees a key).
-        M_new = tl.maximum(M, tl.max(S, axis=1))
-        M_exp = tl.where(M_new > float("-inf"), M_new, 0.0)
-        P = tl.exp2(S - M_exp[:, None])
-        alpha = tl.exp2(M - M_exp)
-        L = L * alpha + tl.sum(P, axis=1)
-        M = M_new
-        v_base = (v_cache_ptr + block * v_stride_0 + (offs_t % BLOCK_SIZE).to(tl.int64) * v_stride_1
-                  + kv_head * v_stride_2)
-        V = tl.load(v_base[:, None] + offs_d[None, :] * v_stride_3,
-                    mask=t_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = tl.dot(P.to(V.dtype), V, acc * alpha[:, None])
-    return M, L, acc
-
-
 # Sizes that change from batch to batch are not specialized on (Triton specializes an int
 # argument, typed or not, on being 1 or a multiple of 16): each new combination would compile
 # the kernel again, seconds with every request of the step waiting, and the variants
 # compile_short_prefills warms at start-up would not be the ones later batches take.
-SIZES_NOT_SPECIALIZED = ["num_seqs", "block_table_stride", "span_table_stride", "quiet_stride",
-                         "tile_stride"]
+SIZES_NOT_SPECIALIZED = ["num_seqs", "block_table_stride", "span_table_stride", "quiet_stride"]
 
 
 @triton.jit(do_not_specialize=SIZES_NOT_SPECIALIZED)
@@ -274,9 +183,6 @@ def minipic_attention_kernel(
     links_end_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.links_end
     link_tokens_ptr,  # HAS_SPAN_TABLES: [seqs] int32, SpanLayout.link_tokens
     quiet_ptr,  # HAS_QUIET: [seqs, words] int32, bit k % 32 of word k // 32: key k is quiet
-    tile_start_ptr,  # FRAME_TILES: [seqs, tiles] int32, frame_tiles.FrameTiles.start
-    tile_end_ptr,  # FRAME_TILES: [seqs, tiles] int32, FrameTiles.end
-    tile_count_ptr,  # FRAME_TILES: [seqs] int32, FrameTiles.count
     split_out_ptr,  # 3D only: [tokens, q_heads, NUM_SPLITS, HEAD_SIZE_PADDED] fp32
     split_max_ptr,  # 3D only: [tokens, q_heads, NUM_SPLITS] fp32
     split_expsum_ptr,  # 3D only: [tokens, q_heads, NUM_SPLITS] fp32
@@ -298,7 +204,6 @@ def minipic_attention_kernel(
     cos_sin_stride: tl.int64,
     span_table_stride: tl.int64,  # row stride of the three span tables
     quiet_stride: tl.int64,  # row stride of the quiet bits
-    tile_stride: tl.int64,  # row stride of the frame tiles
     NUM_QUERY_HEADS: tl.constexpr,
     NUM_QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -318,7 +223,6 @@ def minipic_attention_kernel(
     HAS_SPAN_TABLES: tl.constexpr,  # minipic spans and links (see minipic.attention.span_layout)
     SPAN_BLOCK: tl.constexpr,  # block size the span tables are indexed by
     HAS_QUIET: tl.constexpr,  # mask_markers: marker and padding keys seen in their span only
-    FRAME_TILES: tl.constexpr,  # keys in frame tiles, Q turned into their frames (no links)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -354,135 +258,122 @@ def minipic_attention_kernel(
         dim_p = 2 * ROT_HALF + offs_p
         q3 = tl.load(q_ptr + q_rows[:, None] + dim_p[None, :],
                      mask=row_mask[:, None] & p_mask[None, :], other=0.0)
-    else:
-        q3 = q1  # no pass-through dims: never read
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     d_mask = offs_d < HEAD_SIZE
 
-    if FRAME_TILES:
-        M, L, acc = _attend_frame_tiles(
-            q1, q2, q3, row_mask, context_len + q_pos, seq_idx, split,
-            k_cache_ptr, v_cache_ptr, block_tables_ptr, block_table_stride, cos_sin_ptr,
-            cos_sin_stride, span_of_ptr, context_pos_ptr, frame_offset_ptr, span_table_stride,
-            tile_start_ptr, tile_end_ptr, tile_count_ptr, tile_stride, qk_scale, kv_head,
-            k_stride_0, k_stride_1, k_stride_2, k_stride_3, v_stride_0, v_stride_1, v_stride_2,
-            v_stride_3, BLOCK_M, HEAD_SIZE, HEAD_SIZE_PADDED, ROT_HALF, ROT_HALF_PADDED,
-            PASS_SIZE, PASS_PADDED, IS_NEOX, BLOCK_SIZE, TILE_SIZE, NUM_SPLITS, IS_3D,
-            SPAN_BLOCK)
+    # Causal: the q-block's last row sees keys [0, context_len + its position].
+    kv_hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    num_tiles = _cdiv(kv_hi, TILE_SIZE)
+    if IS_3D:
+        # Same split as _reduce_splits: splits past the keys are skipped.
+        tiles_per_split = _cdiv(seq_len, NUM_SPLITS * TILE_SIZE)
+        if split * tiles_per_split * TILE_SIZE >= seq_len:
+            return
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     else:
-        # Causal: the q-block's last row sees keys [0, context_len + its position].
-        kv_hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
-        num_tiles = _cdiv(kv_hi, TILE_SIZE)
-        if IS_3D:
-            # Same split as _reduce_splits: splits past the keys are skipped.
-            tiles_per_split = _cdiv(seq_len, NUM_SPLITS * TILE_SIZE)
-            if split * tiles_per_split * TILE_SIZE >= seq_len:
-                return
-            tile_lo = split * tiles_per_split
-            tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-        else:
-            tile_lo = 0
-            tile_hi = num_tiles
+        tile_lo = 0
+        tile_hi = num_tiles
 
-        M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        L = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-        block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
-        query_abs_pos = context_len + q_pos
-        if HAS_SPAN_TABLES:
-            span_row = seq_idx.to(tl.int64) * span_table_stride
-            # The table is a*cos, a*sin (a = row 0's cos: 1 unless an mscale is folded in);
-            # moving keys between frames is a pure rotation.
-            inv_a = 1.0 / tl.load(cos_sin_ptr + offs_r, mask=r_mask, other=1.0)
-            q_span, q_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row,
-                                                  query_abs_pos, row_mask, SPAN_BLOCK)
-            # Links take no room (SpanLayout.links_end): queries at or past links_end score
-            # the keys before it with Q turned back by link_tokens; 0 without links.
-            links_end = tl.load(links_end_ptr + seq_idx)
-            q1_back, q2_back = _turned_back(q1, q2, cos_sin_ptr, cos_sin_stride,
-                                            tl.load(link_tokens_ptr + seq_idx), offs_r, r_mask,
-                                            ROT_HALF)
-            after_links = (query_abs_pos >= links_end)[:, None]
-            q1_near = tl.where(after_links, q1_back, q1)
-            q2_near = tl.where(after_links, q2_back, q2)
-            # A q-block with no row past the links (links, spans, plain prompts) takes one
-            # dot per tile; one with such rows scores the tiles before links_end twice.
-            # (An if/else with a dot in each branch measured slower on the H200: 93 vs 62 ms
-            # for a 10-document EPIC hit, the loop's pipelining lost.)
-            q_last = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len) - 1
-            some_after = (q_last >= links_end) & (links_end > 0)
+    M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    L = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
+    query_abs_pos = context_len + q_pos
+    if HAS_SPAN_TABLES:
+        span_row = seq_idx.to(tl.int64) * span_table_stride
+        # The table is a*cos, a*sin (a = row 0's cos: 1 unless an mscale is folded in);
+        # moving keys between frames is a pure rotation.
+        inv_a = 1.0 / tl.load(cos_sin_ptr + offs_r, mask=r_mask, other=1.0)
+        q_span, q_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row,
+                                              query_abs_pos, row_mask, SPAN_BLOCK)
+        # Links take no room (SpanLayout.links_end): queries at or past links_end score
+        # the keys before it with Q turned back by link_tokens; 0 without links.
+        links_end = tl.load(links_end_ptr + seq_idx)
+        q1_back, q2_back = _turned_back(q1, q2, cos_sin_ptr, cos_sin_stride,
+                                        tl.load(link_tokens_ptr + seq_idx), offs_r, r_mask,
+                                        ROT_HALF)
+        after_links = (query_abs_pos >= links_end)[:, None]
+        q1_near = tl.where(after_links, q1_back, q1)
+        q2_near = tl.where(after_links, q2_back, q2)
+        # A q-block with no row past the links (links, spans, plain prompts) takes one
+        # dot per tile; one with such rows scores the tiles before links_end twice.
+        # (An if/else with a dot in each branch measured slower on the H200: 93 vs 62 ms
+        # for a 10-document EPIC hit, the loop's pipelining lost.)
+        q_last = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len) - 1
+        some_after = (q_last >= links_end) & (links_end > 0)
 
-        # Keys this program reads: the causal bound, and its split's end in 3D.
-        kv_end = tl.minimum(kv_hi, tile_hi * TILE_SIZE)
-        if PREFETCH:
-            # Software pipelining by hand: the rotation consumes K in registers, so
-            # Triton's pipeliner (which stages dot operands) does not prefetch it.
+    # Keys this program reads: the causal bound, and its split's end in 3D.
+    kv_end = tl.minimum(kv_hi, tile_hi * TILE_SIZE)
+    if PREFETCH:
+        # Software pipelining by hand: the rotation consumes K in registers, so
+        # Triton's pipeliner (which stages dot operands) does not prefetch it.
+        k1_next, k2_next = _load_k_tile(
+            tile_lo, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
+            k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
+    for j in range(tile_lo, tile_hi):
+        offs_t = j * TILE_SIZE + tl.arange(0, TILE_SIZE)  # key indices
+        t_mask = offs_t < kv_end
+        block = tl.load(block_table_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slot = (offs_t % BLOCK_SIZE).to(tl.int64)
+        if PREFETCH:  # take tile j, start loading tile j+1 (past the end: all masked)
+            k1, k2 = k1_next, k2_next
             k1_next, k2_next = _load_k_tile(
-                tile_lo, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
+                j + 1, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
                 k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
-        for j in range(tile_lo, tile_hi):
-            offs_t = j * TILE_SIZE + tl.arange(0, TILE_SIZE)  # key indices
-            t_mask = offs_t < kv_end
-            block = tl.load(block_table_row + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-            slot = (offs_t % BLOCK_SIZE).to(tl.int64)
-            if PREFETCH:  # take tile j, start loading tile j+1 (past the end: all masked)
-                k1, k2 = k1_next, k2_next
-                k1_next, k2_next = _load_k_tile(
-                    j + 1, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
-                    k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
-            else:
-                k1, k2 = _load_k_tile(
-                    j, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
-                    k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
-            if HAS_SPAN_TABLES:  # keys out of their frames: key j at j (links: logical)
-                cos, sin = _frame_cos_sin(frame_offset_ptr, span_row, offs_t, t_mask, cos_sin_ptr,
-                                          offs_r, r_mask, cos_sin_stride, inv_a, SPAN_BLOCK,
-                                          ROT_HALF)
-                r1, r2 = _rotate_pair(k1, k2, cos, sin)
-                k1, k2 = r1.to(q1.dtype), r2.to(q1.dtype)
-            else:
-                k1 = k1.to(q1.dtype)
-                k2 = k2.to(q1.dtype)
-            k_base = k_cache_ptr + block * k_stride_0 + slot * k_stride_1 + kv_head * k_stride_2
+        else:
+            k1, k2 = _load_k_tile(
+                j, kv_end, block_table_row, k_cache_ptr, kv_head, dim_1, dim_2, r_mask,
+                k_stride_0, k_stride_1, k_stride_2, k_stride_3, BLOCK_SIZE, TILE_SIZE)
+        if HAS_SPAN_TABLES:  # keys out of their frames: key j at j (links: logical)
+            cos, sin = _frame_cos_sin(frame_offset_ptr, span_row, offs_t, t_mask, cos_sin_ptr,
+                                      offs_r, r_mask, cos_sin_stride, inv_a, SPAN_BLOCK,
+                                      ROT_HALF)
+            r1, r2 = _rotate_pair(k1, k2, cos, sin)
+            k1, k2 = r1.to(q1.dtype), r2.to(q1.dtype)
+        else:
+            k1 = k1.to(q1.dtype)
+            k2 = k2.to(q1.dtype)
+        k_base = k_cache_ptr + block * k_stride_0 + slot * k_stride_1 + kv_head * k_stride_2
 
-            S = tl.dot(q1, k1)
-            S = tl.dot(q2, k2, S)
-            if HAS_SPAN_TABLES:
-                if some_after & (j * TILE_SIZE < links_end):  # keys before the links' end
-                    S_near = tl.dot(q1_near, k1)
-                    S_near = tl.dot(q2_near, k2, S_near)
-                    S = tl.where((offs_t < links_end)[None, :], S_near, S)
-            if PASS_SIZE > 0:
-                k3 = tl.load(k_base[None, :] + dim_p[:, None] * k_stride_3,
-                             mask=p_mask[:, None] & t_mask[None, :], other=0.0)
-                S = tl.dot(q3, k3.to(q1.dtype), S)
-            S = S * qk_scale
-            visible = row_mask[:, None] & (offs_t[None, :] <= query_abs_pos[:, None])
-            if HAS_SPAN_TABLES:
-                k_span, k_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row,
-                                                      offs_t, t_mask, SPAN_BLOCK)
-                visible = visible & _span_visible(q_span, q_context, k_span, k_context)
-            if HAS_QUIET:
-                visible = visible & _seen_if_quiet(quiet_ptr, seq_idx, quiet_stride, offs_t, t_mask,
-                                                   query_abs_pos, q_span)
-            S = tl.where(visible, S, float("-inf"))
+        S = tl.dot(q1, k1)
+        S = tl.dot(q2, k2, S)
+        if HAS_SPAN_TABLES:
+            if some_after & (j * TILE_SIZE < links_end):  # keys before the links' end
+                S_near = tl.dot(q1_near, k1)
+                S_near = tl.dot(q2_near, k2, S_near)
+                S = tl.where((offs_t < links_end)[None, :], S_near, S)
+        if PASS_SIZE > 0:
+            k3 = tl.load(k_base[None, :] + dim_p[:, None] * k_stride_3,
+                         mask=p_mask[:, None] & t_mask[None, :], other=0.0)
+            S = tl.dot(q3, k3.to(q1.dtype), S)
+        S = S * qk_scale
+        visible = row_mask[:, None] & (offs_t[None, :] <= query_abs_pos[:, None])
+        if HAS_SPAN_TABLES:
+            k_span, k_context = _span_and_context(span_of_ptr, context_pos_ptr, span_row,
+                                                  offs_t, t_mask, SPAN_BLOCK)
+            visible = visible & _span_visible(q_span, q_context, k_span, k_context)
+        if HAS_QUIET:
+            visible = visible & _seen_if_quiet(quiet_ptr, seq_idx, quiet_stride, offs_t, t_mask,
+                                               query_abs_pos, q_span)
+        S = tl.where(visible, S, float("-inf"))
 
-            # Online softmax (base 2). M stays the true running max, -inf while a row has
-            # seen nothing (tiles before its span's start); the exponents use a copy that is
-            # 0 there, so exp2(-inf - max) is 0, not NaN. Were M itself set to 0, a span
-            # whose logits are all far below 0 would be weighed against 0, not its own max,
-            # and its weights would underflow to an output of zeros.
-            M_new = tl.maximum(M, tl.max(S, axis=1))
-            M_exp = tl.where(M_new > float("-inf"), M_new, 0.0)
-            P = tl.exp2(S - M_exp[:, None])
-            alpha = tl.exp2(M - M_exp)
-            L = L * alpha + tl.sum(P, axis=1)
-            M = M_new
+        # Online softmax (base 2). M stays the true running max, -inf while a row has
+        # seen nothing (tiles before its span's start); the exponents use a copy that is
+        # 0 there, so exp2(-inf - max) is 0, not NaN. Were M itself set to 0, a span
+        # whose logits are all far below 0 would be weighed against 0, not its own max,
+        # and its weights would underflow to an output of zeros.
+        M_new = tl.maximum(M, tl.max(S, axis=1))
+        M_exp = tl.where(M_new > float("-inf"), M_new, 0.0)
+        P = tl.exp2(S - M_exp[:, None])
+        alpha = tl.exp2(M - M_exp)
+        L = L * alpha + tl.sum(P, axis=1)
+        M = M_new
 
-            v_base = v_cache_ptr + block * v_stride_0 + slot * v_stride_1 + kv_head * v_stride_2
-            V = tl.load(v_base[:, None] + offs_d[None, :] * v_stride_3,
-                        mask=t_mask[:, None] & d_mask[None, :], other=0.0)
-            acc = tl.dot(P.to(V.dtype), V, acc * alpha[:, None])
+        v_base = v_cache_ptr + block * v_stride_0 + slot * v_stride_1 + kv_head * v_stride_2
+        V = tl.load(v_base[:, None] + offs_d[None, :] * v_stride_3,
+                    mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.dot(P.to(V.dtype), V, acc * alpha[:, None])
 
     if IS_3D:
         # Unnormalised partials; _reduce_splits rescales and sums them.
@@ -516,7 +407,6 @@ def _reduce_splits(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    ALL_SPLITS: tl.constexpr,  # frame tiles: every split stored its partials (maybe empty)
 ):
     """Merge one (token, head)'s split-KV partials: rescale to a common max, sum, normalise."""
     token = tl.program_id(0)
@@ -528,7 +418,7 @@ def _reduce_splits(
     used = _cdiv(seq_len, tiles_per_split * TILE_SIZE)
 
     offs_s = tl.arange(0, NUM_SPLITS)
-    s_mask = (offs_s < used) | ALL_SPLITS
+    s_mask = offs_s < used
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     d_mask = offs_d < HEAD_SIZE
     row = (token.to(tl.int64) * NUM_QUERY_HEADS + head) * NUM_SPLITS + offs_s
@@ -573,9 +463,6 @@ PREFILL_LARGE_HEAD = LaunchConfig(block_m=64, tile_size=32, num_warps=8, num_sta
 # keys (bench_kernel --short-sweep): 0.18 / 0.65 ms against 0.54 / 2.04 ms for DECODE_2D's
 # 4-token q-blocks.
 SHORT_SPLIT = LaunchConfig(block_m=128, tile_size=64, num_warps=8, num_stages=3, prefetch=True)
-# Frame tiles hold frame_tiles.TILE_KEYS keys; for larger heads those tiles would overflow
-# shared memory (PREFILL_LARGE_HEAD reads 32 keys a tile): their keys are turned instead.
-FRAME_TILES_MAX_HEAD = 128
 # Queries shorter than this may split KV (_split_short_queries).
 SPLIT_MAX_QUERY_LEN = 128
 NUM_SPLITS = 16
@@ -663,7 +550,6 @@ def unified_attention_rope(
     links_end: torch.Tensor | None = None,
     link_tokens: torch.Tensor | None = None,
     quiet_bits: torch.Tensor | None = None,
-    frame_tiles: FrameTiles | None = None,
     launches: dict | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of `q` over K stored in frames, turning K tiles forward.
@@ -687,9 +573,6 @@ def unified_attention_rope(
     plain causal attention over K as stored and reads no table. Link tokens' Q must
     already be turned back (attention.links). `quiet_bits` [seqs, words] int32
     (quiet_words; with the span tables only): keys no query outside their own span sees.
-    `frame_tiles` (frame_tiles.FrameTiles of the same layout; with the span tables, no
-    links and no quiet bits): K is read in tiles that each lie in one frame and Q is
-    turned into the frame instead of every key out of it (one turn a span, not one a key).
     `launches`: a batch's segment_kernels.RepeatedLaunch cache, when every layer launches
     on the same tables (Triton binds the first layer's launch only).
     """
@@ -703,8 +586,6 @@ def unified_attention_rope(
                                 num_kv_heads, split_output.shape[0], head_size))
     if config is None:
         config = choose_config(max_seqlen_q, use_3d, head_size)
-    if frame_tiles is not None:  # K goes to the dot as loaded: Triton's pipeliner stages it
-        config = dataclasses.replace(config, tile_size=frame_tiles.keys, prefetch=False)
     block_m = _q_block_rows(config, queries_per_kv)
     block_q = block_m // queries_per_kv
     num_splits = split_output.shape[2] if use_3d else 1
@@ -722,9 +603,6 @@ def unified_attention_rope(
         has_quiet = quiet_bits is not None
         if has_quiet:
             _check_quiet_bits(quiet_bits, has_span_tables, num_seqs)
-        if frame_tiles is not None:
-            _check_frame_tiles(frame_tiles, has_span_tables and not has_quiet, num_seqs,
-                               head_size)
         rot_half, pass_size = rotary_dim // 2, head_size - rotary_dim
         args = (
             out, q, k_cache, v_cache, cos_sin, block_table, seqused_k, cu_seqlens_q,
@@ -734,15 +612,12 @@ def unified_attention_rope(
             links_end if has_span_tables else seqused_k,
             link_tokens if has_span_tables else seqused_k,
             quiet_bits if has_quiet else seqused_k,
-            *((frame_tiles.start, frame_tiles.end, frame_tiles.count) if frame_tiles
-              else (block_table, block_table, seqused_k)),  # any pointer when unused
             split_output, split_max, split_expsum,
             softmax_scale * _LOG2E, num_seqs,
             block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
             span_of.stride(0) if has_span_tables else 0,
-            quiet_bits.stride(0) if has_quiet else 0,
-            frame_tiles.start.stride(0) if frame_tiles is not None else 0)
+            quiet_bits.stride(0) if has_quiet else 0)
         return args, dict(
             NUM_QUERY_HEADS=num_q_heads, NUM_QUERIES_PER_KV=queries_per_kv,
             BLOCK_SIZE=block_size, TILE_SIZE=config.tile_size, HEAD_SIZE=head_size,
@@ -752,12 +627,10 @@ def unified_attention_rope(
             IS_NEOX=is_neox_style, BLOCK_Q=block_q, BLOCK_M=block_m, NUM_SPLITS=num_splits,
             IS_3D=use_3d, PREFETCH=config.prefetch, HAS_SPAN_TABLES=has_span_tables,
             SPAN_BLOCK=span_block_size or block_size, HAS_QUIET=has_quiet,
-            FRAME_TILES=frame_tiles is not None,
             num_warps=config.num_warps, num_stages=config.num_stages)
 
     tables = (cos_sin, block_table, seqused_k, cu_seqlens_q, span_of, context_pos,
-              frame_offset, links_end, link_tokens, quiet_bits,
-              frame_tiles)
+              frame_offset, links_end, link_tokens, quiet_bits)
     launch(minipic_attention_kernel, grid, bind, (out, q, k_cache, v_cache),
            (*tables, split_output, split_max, split_expsum, softmax_scale, config, use_3d,
             rotary_dim, is_neox_style, span_block_size, max_seqlen_q), launches, "attention")
@@ -766,12 +639,11 @@ def unified_attention_rope(
             return (out, split_output, split_max, split_expsum, seqused_k, cu_seqlens_q,
                     num_seqs, out.stride(0), out.stride(1)), dict(
                 NUM_QUERY_HEADS=num_q_heads, TILE_SIZE=config.tile_size, HEAD_SIZE=head_size,
-                HEAD_SIZE_PADDED=head_size_padded, NUM_SPLITS=num_splits,
-                ALL_SPLITS=frame_tiles is not None)
+                HEAD_SIZE_PADDED=head_size_padded, NUM_SPLITS=num_splits)
 
         launch(_reduce_splits, (num_tokens, num_q_heads), bind_reduce, (out,),
                (split_output, split_max, split_expsum, seqused_k, cu_seqlens_q, config,
-                num_q_heads, head_size, frame_tiles is not None), launches, "reduce")
+                num_q_heads, head_size), launches, "reduce")
     return out
 
 
@@ -838,22 +710,6 @@ def _check_span_tables(span_of: torch.Tensor | None, context_pos: torch.Tensor |
     return True
 
 
-def _check_frame_tiles(tiles: FrameTiles, allowed: bool, num_seqs: int, head_size: int
-                       ) -> None:
-    if not allowed:
-        raise ValueError("frame_tiles need the span tables and no quiet bits")
-    if head_size > FRAME_TILES_MAX_HEAD:
-        raise ValueError(f"frame_tiles take heads of at most {FRAME_TILES_MAX_HEAD} dims")
-    for name, table in (("start", tiles.start), ("end", tiles.end)):
-        if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < num_seqs \
-                or table.stride(1) != 1 or table.stride(0) != tiles.start.stride(0):
-            raise ValueError(f"frame tile {name} must be int32 [>= {num_seqs}, tiles] with "
-                             f"start's strides, got {table.dtype} {tuple(table.shape)}")
-    if tiles.count.dtype != torch.int32 or tiles.count.dim() != 1 \
-            or tiles.count.shape[0] < num_seqs or tiles.count.stride(0) != 1:
-        raise ValueError(f"frame tile count must be int32 [>= {num_seqs}], contiguous")
-
-
 def split_kv_buffers(max_tokens: int, num_q_heads: int, head_size: int,
                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split-KV scratch shaped like vLLM's Triton builder allocates it (tests, benchmarks)."""
@@ -874,8 +730,7 @@ def compile_short_prefills(num_q_heads: int, num_kv_heads: int, head_size: int,
                            block_size: int, device: torch.device) -> None:
     """Launch, on zeros, the two variants of the span kernel a short span prefill takes
     (cuda_backend.KERNEL_MAX_QUERY_TOKENS: split KV, and 2D for a 128-token query), as
-    SpanBatchImpl.forward launches them (the split-KV scratch and frame tiles passed
-    either way), so that
+    SpanBatchImpl.forward launches them (the split-KV scratch passed either way), so that
     Triton compiles them when the engine starts, not in the first span hit (seconds, every
     request of that step waiting). Besides the constexprs, Triton specializes on pointer
     alignment and on the strides of the queries, caches and cos/sin table, which hold for
@@ -896,9 +751,5 @@ def compile_short_prefills(num_q_heads: int, num_kv_heads: int, head_size: int,
                   frame_offset=tables, span_block_size=block_size, links_end=per_request,
                   link_tokens=per_request, split_output=split[0], split_max=split[1],
                   split_expsum=split[2], seq_threshold_3d=MIN_GRID_2D // num_kv_heads)
-    # as SpanBatchBuilder makes them
-    tiles = FrameTiles(tables, tables + 2, per_request + 1) \
-        if head_size <= FRAME_TILES_MAX_HEAD else None
     for max_seqlen_q in (2, SPLIT_MAX_QUERY_LEN):  # split KV below SPLIT_MAX_QUERY_LEN
-        unified_attention_rope(q, cache, cache, out, max_seqlen_q=max_seqlen_q,
-                               frame_tiles=tiles, **common)
+        unified_attention_rope(q, cache, cache, out, max_seqlen_q=max_seqlen_q, **common)

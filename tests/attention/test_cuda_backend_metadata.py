@@ -68,7 +68,6 @@ def new_builder(monkeypatch, kind: str):
     built.split_kv_scratch, built.seq_threshold_3d = ("scratch",), 8
     built.use_flash_rows = kind == "flash"  # __init__ would add: FA3 and the option
     built.row_copy_limit = MIN_COPY_LIMIT
-    built.headdim = 128
     return built
 
 
@@ -294,25 +293,6 @@ def test_spans_without_links_turn_span_keys_only(builder, monkeypatch):
     md = build(builder, monkeypatch, ["-S-P"], [64], [64])
     assert md.minipic_token_shift is None
     assert same_turns(md.minipic_key_turn, [0] * 16 + [BLOCK] * 32 + [0] * 16)
-
-
-def test_kernel_batches_without_links_read_frame_tiles(kernel_builder, monkeypatch):
-    """Header, a 2-block span, then PDep: three frames, so three tiles (each shorter than
-    TILE_KEYS), the last one cut at the sequence's end. Links: no frame tiles."""
-    md = build(kernel_builder, monkeypatch, ["-S-P-"], [70], [70])
-    tiles = md.minipic_frame_tiles
-    assert int(tiles.count[0]) == 3
-    assert tiles.start[0, :3].tolist() == [0, 16, 48] and tiles.end[0, :3].tolist() == [16, 48, 70]
-    md = build(kernel_builder, monkeypatch, ["-S-S-LLP"], [122], [122])
-    assert md.minipic_tables is not None and md.minipic_frame_tiles is None
-
-
-def test_large_heads_turn_keys(monkeypatch):
-    """Frame tiles would overflow the kernel's shared memory past 128 head dims."""
-    builder = new_builder(monkeypatch, "triton")
-    builder.headdim = 256
-    md = build(builder, monkeypatch, ["-S-P"], [64], [64])
-    assert md.minipic_tables is not None and md.minipic_frame_tiles is None
 
 
 def test_quiet_keys_reach_the_kernel_as_bits():

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from minipic.attention import triton_kernel as tk
-from minipic.attention.frame_tiles import frame_tiles
 
 Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 
@@ -68,8 +67,7 @@ def _engine_launch(query_lens: list[int], context: int, max_model_len: int = 819
         split_expsum=split[2], seq_threshold_3d=threshold, span_of=tables,
         context_pos=tables, frame_offset=tables, span_block_size=BLOCK,
         links_end=torch.zeros(reqs, dtype=torch.int32),
-        link_tokens=torch.zeros(reqs, dtype=torch.int32),
-        frame_tiles=frame_tiles(tables, tables, [context + q for q in query_lens], BLOCK))
+        link_tokens=torch.zeros(reqs, dtype=torch.int32))
 
 
 BATCHES = {  # name: (query lens, cached context)

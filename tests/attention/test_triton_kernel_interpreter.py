@@ -97,22 +97,6 @@ CASES = {
     "links_mqa_gptj_fp16": (dict(query_lens=[122], context_lens=[0], num_q_heads=4,
                                  num_kv_heads=1, head_size=32, is_neox=False, markers=[LINKS]),
                             {"config": "PREFETCH"}),
-    # Frame tiles (frame_tiles.py): keys read in tiles that end where a frame or span ends,
-    # Q turned into each tile's frame. Tiles of 32 keys over one-block spans ("SS") are cut
-    # short; span queries, tail queries and decodes side by side, 2D and split KV.
-    "frame_tiles_mixed_fp16": (dict(query_lens=[60, 1, 7], context_lens=[0, 40, 60],
-                                    num_q_heads=4, num_kv_heads=2, head_size=64,
-                                    markers=["-S-P", "-S-", "-SS-S-P"]), {"frame_tiles": 32}),
-    "frame_tiles_split_kv_fp16": (dict(query_lens=[5, 1, 3], context_lens=[120, 40, 70],
-                                       num_q_heads=4, num_kv_heads=2, head_size=64,
-                                       markers=["-SS-S-SSP", "-S-", "S-S-P"]),
-                                  {"frame_tiles": 32, "split_kv": True}),
-    "frame_tiles_mscale_gptj_partial_fp32": (dict(query_lens=[3, 9], context_lens=[77, 50],
-                                                  num_q_heads=4, num_kv_heads=2, head_size=32,
-                                                  rotary_dim=16, is_neox=False, mscale=1.25,
-                                                  dtype="float32",
-                                                  markers=["-S-SS-P", "-SS-P"]),
-                                             {"frame_tiles": 16, "split_kv": True}),
 }
 TOLERANCE = {"float16": 3e-3, "float32": 1e-5}
 # Through MiniPICFlashImpl.forward, a span batch, with the KV cache in each vLLM layout.
@@ -151,18 +135,8 @@ def _run_case(name: str) -> float:
         case.q, case.k_cache, case.v_cache, out, cu_seqlens_q=case.cu_seqlens_q,
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
-        is_neox_style=case.is_neox, config=config, **_span_tables(case), **split,
-        frame_tiles=_frame_tiles(case, opts.get("frame_tiles")))
+        is_neox_style=case.is_neox, config=config, **_span_tables(case), **split)
     return relative_error(out, reference_attention(case))
-
-
-def _frame_tiles(case, keys: int | None):
-    from minipic.attention.frame_tiles import frame_tiles
-
-    if keys is None:
-        return None
-    return frame_tiles(case.layout.frame_offset, case.layout.span_of,
-                       case.seq_lens.tolist(), case.block_size, keys)
 
 
 def _span_tables(case) -> dict:
@@ -232,14 +206,12 @@ def _span_metadata(case, query):
 
     from minipic.attention import triton_kernel as tk
 
-    # the builder's frame tiles: batches without links
-    tiles = None if case.layout.has_links() else _frame_tiles(case, 64)
     return SimpleNamespace(
         num_actual_tokens=query.shape[0], query_start_loc=case.cu_seqlens_q,
         seq_lens=case.seq_lens, max_query_len=case.max_seqlen_q, block_table=case.block_table,
         causal=True, mm_prefix_range_tensor=None, minipic_tables=case.layout,
         minipic_span_block_size=case.block_size, minipic_token_shift=None,
-        minipic_quiet_bits=None, minipic_frame_tiles=tiles,
+        minipic_quiet_bits=None,
         minipic_split_kv_scratch=tk.split_kv_buffers(64, query.shape[1], query.shape[2], "cpu"),
         minipic_seq_threshold_3d=8, minipic_launches={})
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from minipic.attention import triton_kernel as tk
-from minipic.attention.frame_tiles import frame_tiles
 from minipic.devtools.paged_attention_case import (epic_markers, make_case, random_segments,
                                                    reference_attention, relative_error)
 
@@ -38,8 +37,7 @@ TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
 SEQ_THRESHOLD_3D = 16
 
 
-def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D, buffer_tokens=None,
-                tile_keys=None):
+def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D, buffer_tokens=None):
     out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
     split = tk.split_kv_buffers(buffer_tokens or max(threshold, 1), case.q.shape[1],
                               case.q.shape[2], "cuda")
@@ -48,10 +46,7 @@ def run_minipic(case, config=None, threshold=SEQ_THRESHOLD_3D, buffer_tokens=Non
         seqused_k=case.seq_lens, max_seqlen_q=case.max_seqlen_q, block_table=case.block_table,
         softmax_scale=case.scale, cos_sin=case.cos_sin, rotary_dim=case.rotary_dim,
         is_neox_style=case.is_neox, split_output=split[0], split_max=split[1],
-        split_expsum=split[2], seq_threshold_3d=threshold, config=config, **span_tables(case),
-        frame_tiles=None if tile_keys is None else frame_tiles(
-            case.layout.frame_offset.cpu(), case.layout.span_of.cpu(), case.seq_lens.tolist(),
-            case.block_size, tile_keys).to("cuda"))
+        split_expsum=split[2], seq_threshold_3d=threshold, config=config, **span_tables(case))
     torch.cuda.synchronize()
     return out
 
@@ -63,7 +58,7 @@ def span_tables(case) -> dict:
 
 
 def check(batch, *, num_q_heads=8, num_kv_heads=2, head_size=128, rotary_dim=None,
-          is_neox=True, dtype=torch.bfloat16, config=None, seed=0, mscale=1.0, tile_keys=None):
+          is_neox=True, dtype=torch.bfloat16, config=None, seed=0, mscale=1.0):
     """A batch with random SSep spans (keys in their frames, turned by the kernel)."""
     import random
 
@@ -75,19 +70,9 @@ def check(batch, *, num_q_heads=8, num_kv_heads=2, head_size=128, rotary_dim=Non
                      markers=[random_segments(q + c, 16, rng)
                               for q, c in zip(query_lens, context_lens)])
     assert case.layout.frame_offset.any()
-    err = relative_error(run_minipic(case, config, tile_keys=tile_keys),
-                         reference_attention(case))
+    err = relative_error(run_minipic(case, config), reference_attention(case))
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
     return case
-
-
-@pytest.mark.parametrize("batch", sorted(BATCHES))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_size", [64, 80, 128])
-@pytest.mark.parametrize("tile_keys", [32, 64])
-def test_frame_tiles_match_reference(batch, dtype, head_size, tile_keys):
-    """Keys in frame tiles, Q turned into each tile's frame (frame_tiles.py)."""
-    check(batch, head_size=head_size, dtype=dtype, tile_keys=tile_keys)
 
 
 @pytest.mark.parametrize("batch", sorted(BATCHES))
