@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from minipic.attention.host_copy import to_device
+from minipic.attention.host_copy import to_device, to_device_together
 from minipic.attention.span_identity import NO_ID
 from minipic.protocol import SpanProtocol
 
@@ -175,8 +175,11 @@ class SpanLayout:
                   self.read_offset, self.span_id)
         if all(t is None or t.device == torch.device(device) for t in tables):
             return self
-        return SpanLayout(*[None if t is None else to_device(t, device)
-                            for t in tables])
+        # the int32 tables in one copy (the host pays each copy, not its bytes)
+        present = [i for i, t in enumerate(tables) if t is not None and t.dtype == torch.int32]
+        moved = dict(zip(present, to_device_together([tables[i] for i in present], device)))
+        return SpanLayout(*[moved[i] if i in moved else None if t is None else to_device(t, device)
+                            for i, t in enumerate(tables)])
 
     def has_links(self) -> bool:
         return bool(self.shift.any())
