@@ -96,7 +96,8 @@ class SpanBatchBuilder:
     without links), `minipic_key_turn` (the K turn-backs before the cache write, None
     when all are 0), `minipic_span_block_size`, and the kernel's split-KV scratch
     (`minipic_split_kv_scratch`, `minipic_seq_threshold_3d`) and its launches, bound once
-    for every layer (`minipic_launches`, segment_kernels.RepeatedLaunch)."""
+    for every layer (`minipic_launches`, segment_kernels.RepeatedLaunch), on arguments made
+    at the first layer (`minipic_kernel_args`, SpanBatchImpl._kernel_args)."""
 
     # Whether the base backend can attend span batches as FlashAttention rows.
     has_flash_rows: ClassVar[bool] = False
@@ -196,6 +197,7 @@ class SpanBatchBuilder:
             metadata.minipic_key_turn = token_turns(key_turn_backs(
                 layout, query_start_loc, seq_lens, self.block_size), self.device)
         metadata.minipic_launches = {}  # the span kernel's, bound at the first layer
+        metadata.minipic_kernel_args = None  # made at the first layer
         metadata.minipic_span_block_size = self.block_size
         metadata.minipic_split_kv_scratch = self.split_kv_scratch
         metadata.minipic_seq_threshold_3d = self.seq_threshold_3d
@@ -253,6 +255,7 @@ class SpanBatchBuilder:
         new = super().update_block_table(metadata, blk_table, slot_mapping)
         # its own kernel launches: a shared cache would bind again at every change of group
         new.minipic_launches = {}
+        new.minipic_kernel_args = None  # its own block table
         if getattr(metadata, "minipic_rows", None) is not None:
             new.minipic_rows = with_block_table(metadata.minipic_rows, blk_table)
         return new
@@ -316,21 +319,28 @@ class SpanBatchImpl:
             attend(query[:n], key_cache, value_cache, output[:n], rows, self.run_flash_rows,
                    self._new_keys(layer, key, value, md))
             return output
-        rope = current_rope()
+        if md.minipic_kernel_args is None:  # the first layer: each layer has the same tables
+            md.minipic_kernel_args = self._kernel_args(md, query.device)
         query = turn_back_tokens(query, md.minipic_token_shift)
+        unified_attention_rope(query[:n], key_cache, value_cache, output[:n],
+                               **md.minipic_kernel_args)
+        return output
+
+    def _kernel_args(self, md, device: torch.device) -> dict:
+        """The span kernel's arguments but the layer's tensors, made once a batch: the same
+        objects at every layer, so its launches stay bound (segment_kernels.RepeatedLaunch),
+        and no layer pays for them again."""
+        rope = current_rope()
         split_output, split_max, split_expsum = md.minipic_split_kv_scratch
-        unified_attention_rope(
-            query[:n], key_cache, value_cache, output[:n],
+        return dict(
             cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens,
             max_seqlen_q=md.max_query_len, block_table=md.block_table,
-            softmax_scale=self.scale, cos_sin=self._rope_table(query.device),
+            softmax_scale=self.scale, cos_sin=self._rope_table(device),
             rotary_dim=rope.rotary_dim, is_neox_style=rope.is_neox_style,
             split_output=split_output, split_max=split_max, split_expsum=split_expsum,
             seq_threshold_3d=md.minipic_seq_threshold_3d, launches=md.minipic_launches,
             **span_table_args(md.minipic_tables, md.minipic_span_block_size,
-                              md.minipic_quiet_bits),
-        )
-        return output
+                              md.minipic_quiet_bits))
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -306,3 +306,33 @@ def test_quiet_keys_reach_the_kernel_as_bits():
     assert words.dtype == torch.int32 and words.shape == (2, 3)
     unpacked = [[k for k in range(96) if int(words[r, k // 32]) >> (k % 32) & 1] for r in (0, 1)]
     assert unpacked == [[0, 31, 32, 70], []]
+
+
+@pytest.mark.parametrize("mask_markers", [False, True])
+def test_every_layer_launches_the_kernel_on_the_same_arguments(monkeypatch, mask_markers):
+    """The span kernel's launches stay bound from layer to layer only if each layer hands
+    them the same table objects (segment_kernels.RepeatedLaunch compares them by identity):
+    the arguments are made once a batch, mask_markers' link-free tables included."""
+    from minipic.attention.triton_kernel import quiet_words
+
+    calls = []
+    monkeypatch.setattr(fb, "unified_attention_rope",
+                        lambda q, k, v, out, **kwargs: calls.append(kwargs))
+    layout = marker_layout(["-S-P"], MAX_BLOCKS, BLOCK)
+    quiet = quiet_words(torch.zeros(1, 64, dtype=torch.bool), 64) if mask_markers else None
+    md = SimpleNamespace(
+        causal=True, mm_prefix_range_tensor=None, num_actual_tokens=4, minipic_rows=None,
+        minipic_tables=layout, minipic_quiet_bits=quiet, minipic_token_shift=None,
+        minipic_span_block_size=BLOCK, minipic_split_kv_scratch=(None, None, None),
+        query_start_loc=torch.tensor([0, 4]), seq_lens=torch.tensor([64]), max_query_len=4,
+        block_table=torch.zeros(1, MAX_BLOCKS, dtype=torch.int32),
+        minipic_seq_threshold_3d=8, minipic_launches={}, minipic_kernel_args=None)
+    impl = object.__new__(fb.MiniPICFlashImpl)
+    impl.head_size, impl.scale, impl._cos_sin = ROTARY_DIM, 1.0, None
+    query = torch.zeros(4, 2, ROTARY_DIM)
+    kv_cache = torch.zeros(MAX_BLOCKS, 2, BLOCK, 1, ROTARY_DIM)
+    for _layer in range(3):
+        impl.forward(None, query, None, None, kv_cache, md, torch.zeros_like(query))
+    assert len(calls) == 3 and set(calls[0]) == set(calls[2])
+    for name, first in calls[0].items():
+        assert all(call[name] is first for call in calls[1:]), name

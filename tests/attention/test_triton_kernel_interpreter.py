@@ -213,7 +213,7 @@ def _span_metadata(case, query):
         minipic_span_block_size=case.block_size, minipic_token_shift=None,
         minipic_quiet_bits=None,
         minipic_split_kv_scratch=tk.split_kv_buffers(64, query.shape[1], query.shape[2], "cpu"),
-        minipic_seq_threshold_3d=8, minipic_launches={})
+        minipic_seq_threshold_3d=8, minipic_launches={}, minipic_kernel_args=None)
 
 
 def _run_backend_links() -> float | str:
