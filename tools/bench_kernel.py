@@ -44,6 +44,7 @@ from minipic.attention.rotation import rotate
 from minipic.attention.span_layout import SpanLayout
 from minipic.devtools.kernel_plot import plot
 from minipic.devtools.paged_attention_case import relative_error, rope_table
+from minipic.devtools.timing import gpu_ms
 
 Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -175,23 +176,6 @@ def launchers(step: Step, pool: KVPool, out: torch.Tensor, with_m16: bool) -> di
     return variants
 
 
-def time_ms(fn, rep_ms: int) -> tuple[float, bool]:
-    """Median ms of `fn` replayed from a CUDA graph (eager if it cannot be captured)."""
-    fn()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run, graphed = graph.replay, True
-    except Exception:  # noqa: BLE001 - fall back to eager timing, noted in the results
-        torch.cuda.synchronize()
-        run, graphed = fn, False
-    ms = triton.testing.do_bench(run, warmup=max(10, rep_ms // 4), rep=rep_ms,
-                                 return_mode="median")
-    return ms, graphed
-
-
 def measure(step: Step, pool: KVPool, with_m16: bool, extra: dict | None = None) -> dict:
     out = torch.empty(step.num_seqs * step.q_len, Q_HEADS, HEAD, dtype=DTYPE, device="cuda")
     variants = launchers(step, pool, out, with_m16)
@@ -207,7 +191,7 @@ def measure(step: Step, pool: KVPool, with_m16: bool, extra: dict | None = None)
             fn()
             torch.cuda.synchronize()
             row["err_vs_stock"][name] = relative_error(out, reference)
-            row["ms"][name], row["graphed"][name] = time_ms(fn, rep)
+            row["ms"][name], row["graphed"][name] = gpu_ms(fn, rep)
         except Exception as exc:  # noqa: BLE001 - keep measuring the other variants
             row["errors"][name] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()

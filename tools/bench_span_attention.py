@@ -54,6 +54,7 @@ from minipic.attention.segment_attention import prepare, segment_attention, vllm
 from minipic.attention.segment_plan import segment_plan
 from minipic.devtools.paged_attention_case import (epic_markers, marker_layout, relative_error,
                                                    rope_table)
+from minipic.devtools.timing import gpu_ms
 
 Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -192,23 +193,6 @@ def time_ms(fn, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graph_ms(fn) -> float | None:
-    """GPU time of one call replayed from a CUDA graph (no launch gaps); None if the call
-    cannot be captured."""
-    import triton
-
-    fn()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception:  # noqa: BLE001 - reported as not measured
-        torch.cuda.synchronize()
-        return None
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-
-
 def host_us(fn, repeats: int = 50) -> float:
     """Host time of one call: launches only, timed from an idle GPU, never waiting for it
     (repeats x launches stay far below the launch queue's depth)."""
@@ -275,8 +259,8 @@ def measure(name: str, out_dir: Path, host_profile_too: bool = False, kernels_to
     for variant, fn in variants.items():
         row[f"{variant}_ms"] = round(time_ms(fn), 4)
         outs[variant] = out.clone()
-        gpu = graph_ms(fn)
-        row[f"{variant}_gpu_ms"] = None if gpu is None else round(gpu, 4)
+        gpu, graphed = gpu_ms(fn)
+        row[f"{variant}_gpu_ms"] = round(gpu, 4) if graphed else None
         row[f"{variant}_host_us"] = round(host_us(fn), 1)
     row["plan_ms"] = round(plan_ms(b), 3)
     row["flash_rows_vs_triton_error"] = relative_error(outs["flash_rows"], outs["triton"])

@@ -40,3 +40,25 @@ def cpu_shares(began: tuple[float, dict[int, float]], wall: float) -> dict:
     child_seconds = sum(seconds - began[1].get(pid, 0.0) for pid, seconds in children.items())
     return {"cpu_share_front_end": round((own - began[0]) / wall, 3),
             "cpu_share_engine_core": round(child_seconds / wall, 3)}
+
+
+def gpu_ms(call: Callable[[], Any], rep_ms: int = 100) -> tuple[float, bool]:
+    """Median GPU milliseconds of `call` replayed from a CUDA graph (no launch gaps:
+    the GPU's time alone), and whether it was: a call that cannot be captured is timed
+    eagerly, its launches included."""
+    import torch
+    import triton
+
+    call()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        run, graphed = graph.replay, True
+    except Exception:  # noqa: BLE001 - timed eagerly instead, and said so
+        torch.cuda.synchronize()
+        run, graphed = call, False
+    ms = triton.testing.do_bench(run, warmup=max(10, rep_ms // 4), rep=rep_ms,
+                                 return_mode="median")
+    return ms, graphed
