@@ -288,7 +288,8 @@ def main() -> None:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    (args.out / "results.md").write_text(f"{env['gpu']}, eager\n\n" + "\n".join(lines) + "\n")
+    (args.out / "results.md").write_text(f"{env['gpu']}, eager (`*_gpu_ms`: "
+                                        "replayed from a CUDA graph)\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -320,22 +320,24 @@ class SpanBatchImpl:
                    self._new_keys(layer, key, value, md))
             return output
         if md.minipic_kernel_args is None:  # the first layer: each layer has the same tables
-            md.minipic_kernel_args = self._kernel_args(md, query.device)
+            md.minipic_kernel_args = self._kernel_args(md)
         query = turn_back_tokens(query, md.minipic_token_shift)
         unified_attention_rope(query[:n], key_cache, value_cache, output[:n],
+                               softmax_scale=self.scale, cos_sin=self._rope_table(query.device),
                                **md.minipic_kernel_args)
         return output
 
-    def _kernel_args(self, md, device: torch.device) -> dict:
-        """The span kernel's arguments but the layer's tensors, made once a batch: the same
+    @staticmethod
+    def _kernel_args(md) -> dict:
+        """The span kernel's arguments that come from the batch, made once: the same
         objects at every layer, so its launches stay bound (segment_kernels.RepeatedLaunch),
-        and no layer pays for them again."""
+        and no layer pays for them again. The layer's own (its scale, its rope table) are
+        passed by each layer."""
         rope = current_rope()
         split_output, split_max, split_expsum = md.minipic_split_kv_scratch
         return dict(
             cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens,
             max_seqlen_q=md.max_query_len, block_table=md.block_table,
-            softmax_scale=self.scale, cos_sin=self._rope_table(device),
             rotary_dim=rope.rotary_dim, is_neox_style=rope.is_neox_style,
             split_output=split_output, split_max=split_max, split_expsum=split_expsum,
             seq_threshold_3d=md.minipic_seq_threshold_3d, launches=md.minipic_launches,

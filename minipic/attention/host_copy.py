@@ -31,18 +31,19 @@ def to_device_together(tensors: list[torch.Tensor], device: torch.device | str
     if (device.type != "cuda" or len({t.dtype for t in tensors}) != 1
             or any(t.device.type != "cpu" for t in tensors)):
         return [to_device(t, device) for t in tensors]
-    packed, starts = pack(tensors)
-    return unpack(to_device(packed, device), tensors, starts)
+    packed, starts = pack(tensors, pin=True)
+    return unpack(packed.to(device, non_blocking=True), tensors, starts)
 
 
-def pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """Tensors of one dtype in one flat tensor, and where each starts (16-byte aligned)."""
+def pack(tensors: list[torch.Tensor], pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """Tensors of one dtype in one flat tensor (in pinned memory if `pin`), and where each
+    starts (16-byte aligned)."""
     per_align = max(_ALIGN_BYTES // tensors[0].element_size(), 1)
     starts, size = [], 0
     for t in tensors:
         starts.append(size)
         size += -(-t.numel() // per_align) * per_align
-    packed = torch.empty(size, dtype=tensors[0].dtype)
+    packed = torch.empty(size, dtype=tensors[0].dtype, pin_memory=pin)
     for t, view in zip(tensors, unpack(packed, tensors, starts)):
         view.copy_(t)
     return packed, starts

@@ -175,11 +175,7 @@ class SpanLayout:
                   self.read_offset, self.span_id)
         if all(t is None or t.device == torch.device(device) for t in tables):
             return self
-        # the int32 tables in one copy (the host pays each copy, not its bytes)
-        present = [i for i, t in enumerate(tables) if t is not None and t.dtype == torch.int32]
-        moved = dict(zip(present, to_device_together([tables[i] for i in present], device)))
-        return SpanLayout(*[moved[i] if i in moved else None if t is None else to_device(t, device)
-                            for i, t in enumerate(tables)])
+        return SpanLayout(*_moved(tables, device))
 
     def has_links(self) -> bool:
         return bool(self.shift.any())
@@ -209,6 +205,15 @@ class SpanLayout:
         return bool((has_quiet & (self.span_of < 0).any(dim=1)).any())
 
 
+def _moved(tables: tuple, device: torch.device | str) -> list:
+    """`tables` on `device`, the int32 ones in one copy (the host pays for each copy, not
+    for its bytes); None stays None."""
+    together = [t for t in tables if t is not None and t.dtype == torch.int32]
+    moved = iter(to_device_together(together, device))
+    return [None if t is None else next(moved) if t.dtype == torch.int32 else to_device(t, device)
+            for t in tables]
+
+
 def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_size: int,
                 prompt_lens: torch.Tensor | None = None) -> SpanLayout:
     """[reqs, blocks] first tokens -> the batch's SpanLayout.
@@ -234,11 +239,11 @@ def _layout_tables(firsts, protocol: SpanProtocol, block_size: int, prompt_lens,
     link_tokens) as `ops` arrays."""
     num_reqs, num_blocks = firsts.shape
     block = ops.blocks(num_reqs, num_blocks)
-    in_prompt = firsts == firsts  # all True
+    in_prompt = ops.full(firsts.shape, True)
     if prompt_lens is not None:
         in_prompt = block * block_size < prompt_lens[:, None]
     is_ssep = (firsts == protocol.ssep_token_id) & in_prompt
-    is_link = in_prompt & False
+    is_link = ops.full(firsts.shape, False)
     if protocol.link_token_id is not None:
         is_link = (firsts == protocol.link_token_id) & in_prompt
     is_marker = is_ssep | is_link | ((firsts == protocol.pdep_token_id) & in_prompt)
@@ -288,7 +293,7 @@ class _HostOps:
 
     @staticmethod
     def array(t: torch.Tensor) -> np.ndarray:
-        return t.numpy().astype(np.int64, copy=False)
+        return t.cpu().numpy().astype(np.int64, copy=False)
 
     @staticmethod
     def int32(a: np.ndarray) -> torch.Tensor:

@@ -229,8 +229,11 @@ def test_another_kv_cache_group_binds_its_own_kernel_launches(monkeypatch):
     md = build(builder, monkeypatch, ["-S-S-LLP"], [42], [122])
     monkeypatch.setattr(FlashAttentionMetadataBuilder, "update_block_table",
                         lambda self, metadata, blk_table, slot_mapping: copy.copy(metadata))
+    md.minipic_launches["attention"] = "bound by the first group's first layer"
+    md.minipic_kernel_args = {"block_table": "the first group's"}  # made at that layer
     new = builder.update_block_table(md, torch.zeros(1, MAX_BLOCKS, dtype=torch.int32), None)
     assert new.minipic_launches == {} and new.minipic_launches is not md.minipic_launches
+    assert new.minipic_kernel_args is None  # made again, on this group's block table
 
 
 def test_rows_past_the_copy_limit_go_in_groups_of_query_tokens(monkeypatch):
