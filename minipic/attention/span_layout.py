@@ -223,159 +223,55 @@ def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_
     the first blocks of the k-th SSep span. The front end refuses every prompt where
     that would not hold (protocol.check_links: the span missing or shorter, a PDep
     block between a span and its link); this function assumes it does.
-
-    Host tables are worked out in numpy (its small ops cost a microsecond where torch's
-    cost ten: a span hit's step waits for this), device tables in torch on their device.
     """
     firsts = block_first_tokens
-    ops = _HostOps if firsts.device.type == "cpu" else _DeviceOps(firsts.device)
-    tables = _layout_tables(ops.array(firsts), protocol, block_size,
-                            None if prompt_lens is None else ops.array(prompt_lens), ops)
-    return SpanLayout(*(ops.int32(t) for t in tables))
-
-
-def _layout_tables(firsts, protocol: SpanProtocol, block_size: int, prompt_lens, ops) -> tuple:
-    """span_layout's tables (span_of, context_pos, shift, frame_offset, links_end,
-    link_tokens) as `ops` arrays."""
     num_reqs, num_blocks = firsts.shape
-    block = ops.blocks(num_reqs, num_blocks)
-    in_prompt = ops.full(firsts.shape, True)
+    block = torch.arange(num_blocks, device=firsts.device).expand(num_reqs, -1)
+    in_prompt = torch.ones_like(firsts, dtype=torch.bool)
     if prompt_lens is not None:
-        in_prompt = block * block_size < prompt_lens[:, None]
+        in_prompt = block * block_size < prompt_lens.to(firsts.device)[:, None]
     is_ssep = (firsts == protocol.ssep_token_id) & in_prompt
-    is_link = ops.full(firsts.shape, False)
+    is_link = torch.zeros_like(is_ssep)
     if protocol.link_token_id is not None:
         is_link = (firsts == protocol.link_token_id) & in_prompt
     is_marker = is_ssep | is_link | ((firsts == protocol.pdep_token_id) & in_prompt)
     # The last marker block at or before each block (-1: none yet).
-    last = ops.cummax(ops.where(is_marker, block, -1))
+    last = torch.where(is_marker, block, -1).cummax(dim=1).values
     opened = last >= 0
-    last_index = ops.clip(last, 0, None)
-    in_span = ops.gather(is_ssep, last_index) & opened
+    last_index = last.clamp(min=0)
+    in_span = is_ssep.gather(1, last_index) & opened
     # Prompt blocks only: past a prompt that ends inside its links (a batch row is as wide as
     # its longest request) a block is no link, and must not hide the span block it would carry.
-    in_link = ops.gather(is_link, last_index) & opened & in_prompt
-    span_of = ops.where(in_span, last, -1)
-    carried = _carried_span_block(block, last_index, is_ssep, is_link, in_link, ops)
-    context_block = ops.where(in_link, carried, block)
-    hidden = ops.full((num_reqs, num_blocks + 1), False)
-    ops.scatter(hidden, ops.where(in_link, carried, num_blocks), True)
-    context_pos = ops.where(hidden[:, :num_blocks], HIDDEN, context_block * block_size)
+    in_link = is_link.gather(1, last_index) & opened & in_prompt
+    span_of = torch.where(in_span, last, -1)
+    carried = _carried_span_block(block, last_index, is_ssep, is_link, in_link)
+    context_block = torch.where(in_link, carried, block)
+    hidden = torch.zeros(num_reqs, num_blocks + 1, dtype=torch.bool, device=firsts.device)
+    hidden.scatter_(1, torch.where(in_link, carried, num_blocks), True)
+    context_pos = torch.where(hidden[:, :num_blocks], HIDDEN, context_block * block_size)
     # in_link holds prompt blocks only: a prompt may end inside its links (then no query is
     # past them). The front end allows one run of links (protocol.check_links), so this is
     # its length.
-    links_end = ops.amax(ops.where(in_link, block + 1, 0)) * block_size
-    link_tokens = ops.count(in_link) * block_size
+    links_end = (torch.where(in_link, block + 1, 0).amax(dim=1) * block_size).to(torch.int32)
+    link_tokens = (in_link.sum(dim=1) * block_size).to(torch.int32)
     past_links = (block * block_size >= links_end[:, None]) & (links_end[:, None] > 0)
-    frame_offset = ops.where(in_span, span_of * block_size,
-                             ops.where(past_links, link_tokens[:, None], 0))
-    return (span_of, context_pos, (block - context_block) * block_size, frame_offset,
-            links_end, link_tokens)
+    frame_offset = torch.where(in_span, span_of * block_size,
+                               torch.where(past_links, link_tokens[:, None], 0))
+    return SpanLayout(span_of.to(torch.int32), context_pos.to(torch.int32),
+                      ((block - context_block) * block_size).to(torch.int32),
+                      frame_offset.to(torch.int32), links_end, link_tokens)
 
 
-def _carried_span_block(block, last_index, is_ssep, is_link, in_link, ops):
+def _carried_span_block(block, last_index, is_ssep, is_link, in_link) -> torch.Tensor:
     """For blocks of the k-th link segment, the block of the k-th span they carry."""
     num_reqs, num_blocks = block.shape
-    span_ordinal = ops.cumsum(is_ssep)  # 1 for the first span's SSep block, ...
-    first_block_of_span = ops.full((num_reqs, num_blocks + 1), num_blocks)
-    ops.scatter(first_block_of_span, ops.where(is_ssep, span_ordinal, 0),
-                ops.where(is_ssep, block, num_blocks))
-    link_ordinal = ops.gather(ops.cumsum(is_link), last_index)
-    carried = (ops.gather(first_block_of_span, ops.clip(link_ordinal, None, num_blocks))
-               + block - last_index)
-    return ops.where(in_link, ops.clip(carried, None, num_blocks), block)
-
-
-class _HostOps:
-    """span_layout's operations on host tables, in numpy (rows are requests)."""
-
-    where, clip = staticmethod(np.where), staticmethod(np.clip)
-
-    @staticmethod
-    def array(t: torch.Tensor) -> np.ndarray:
-        return t.cpu().numpy().astype(np.int64, copy=False)
-
-    @staticmethod
-    def int32(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-
-    @staticmethod
-    def blocks(rows: int, columns: int) -> np.ndarray:
-        return np.broadcast_to(np.arange(columns), (rows, columns))
-
-    @staticmethod
-    def full(shape: tuple, value) -> np.ndarray:
-        return np.full(shape, value)
-
-    @staticmethod
-    def cummax(a: np.ndarray) -> np.ndarray:
-        return np.maximum.accumulate(a, axis=1)
-
-    @staticmethod
-    def cumsum(a: np.ndarray) -> np.ndarray:
-        return np.cumsum(a, axis=1)
-
-    @staticmethod
-    def gather(a: np.ndarray, index: np.ndarray) -> np.ndarray:
-        return np.take_along_axis(a, index, axis=1)
-
-    @staticmethod
-    def scatter(a: np.ndarray, index: np.ndarray, values) -> None:
-        np.put_along_axis(a, index, values, axis=1)
-
-    @staticmethod
-    def amax(a: np.ndarray) -> np.ndarray:
-        return a.max(axis=1)
-
-    @staticmethod
-    def count(a: np.ndarray) -> np.ndarray:
-        return a.sum(axis=1)
-
-
-class _DeviceOps:
-    """The same in torch, on the tables' device (no copy to the host: no wait for it)."""
-
-    where, clip = staticmethod(torch.where), staticmethod(torch.clip)
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def array(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, torch.int64)
-
-    @staticmethod
-    def int32(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.int32)
-
-    def blocks(self, rows: int, columns: int) -> torch.Tensor:
-        return torch.arange(columns, device=self.device).expand(rows, -1)
-
-    def full(self, shape: tuple, value) -> torch.Tensor:
-        return torch.full(shape, value, device=self.device)
-
-    @staticmethod
-    def cummax(t: torch.Tensor) -> torch.Tensor:
-        return t.cummax(dim=1).values
-
-    @staticmethod
-    def cumsum(t: torch.Tensor) -> torch.Tensor:
-        return t.cumsum(dim=1)
-
-    @staticmethod
-    def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return t.gather(1, index)
-
-    @staticmethod
-    def scatter(t: torch.Tensor, index: torch.Tensor, values) -> None:
-        t.scatter_(1, index, values)
-
-    @staticmethod
-    def amax(t: torch.Tensor) -> torch.Tensor:
-        return t.amax(dim=1)
-
-    @staticmethod
-    def count(t: torch.Tensor) -> torch.Tensor:
-        return t.sum(dim=1)
+    span_ordinal = is_ssep.cumsum(dim=1)  # 1 for the first span's SSep block, ...
+    first_block_of_span = torch.full((num_reqs, num_blocks + 1), num_blocks, device=block.device)
+    first_block_of_span.scatter_(1, torch.where(is_ssep, span_ordinal, 0),
+                                 torch.where(is_ssep, block, num_blocks))
+    link_ordinal = is_link.cumsum(dim=1).gather(1, last_index)
+    carried = first_block_of_span.gather(1, link_ordinal.clamp(max=num_blocks)) + block - last_index
+    return torch.where(in_link, carried.clamp(max=num_blocks), block)
 
 
 def _token_rows(num_reqs: int, width: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:

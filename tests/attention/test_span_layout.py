@@ -280,25 +280,3 @@ def test_span_scale_weighs_span_keys_for_queries_outside_spans_only():
     assert torch.equal(bias[2:, 2:], torch.zeros(2, 2))  # the task on its own keys
     plain = span_layout(torch.tensor([[1, 1]]), P, 2, torch.tensor([4]))  # no span at all
     assert not _weighs_spans(plain, 0.5)
-
-
-def test_device_tables_get_the_layout_host_tables_get():
-    """span_layout works host tables out in numpy and device tables in torch (mask_markers
-    under Model Runner V2 reads the GPU's token table): both give every table alike, on
-    random prompts of plain, SSep, PDep and link blocks cut at random prompt lengths."""
-    import random
-
-    from minipic.attention import span_layout as sl
-
-    rng = random.Random(0)
-    for _ in range(50):
-        rows, blocks = rng.randint(1, 4), rng.randint(1, 24)
-        firsts = torch.tensor([[rng.choice([1, 1, 1, 3, 4, 6]) for _ in range(blocks)]
-                               for _ in range(rows)])
-        lens = torch.tensor([rng.randint(0, blocks * 16) for _ in range(rows)])
-        host = sl._layout_tables(sl._HostOps.array(firsts), P, 16,
-                                 sl._HostOps.array(lens), sl._HostOps)
-        ops = sl._DeviceOps(torch.device("cpu"))
-        device = sl._layout_tables(ops.array(firsts), P, 16, ops.array(lens), ops)
-        for h, d in zip(host, device):
-            assert torch.equal(sl._HostOps.int32(h), ops.int32(d))
