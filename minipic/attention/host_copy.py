@@ -17,28 +17,35 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
-# Where each tensor of a joint copy starts, in bytes: Triton specializes a kernel on its
-# pointers being 16-byte aligned, so a table read at another alignment would compile anew.
-_ALIGN_BYTES = 16
+# Where each tensor of a joint copy starts, in bytes: Triton specializes a pointer argument
+# on whether it is 16-byte aligned, so a piece whose alignment moved with the sizes of the
+# pieces before it would make Triton compile a kernel again mid-run (a 150-1000 ms stall of
+# every request in the step, seen in ISPS traces when plans were packed unaligned).
+ALIGN_BYTES = 16
 
 
 def to_device_together(tensors: list[torch.Tensor], device: torch.device | str
                        ) -> list[torch.Tensor]:
-    """Host tensors of one dtype on `device` in one copy (each a contiguous view of the
-    copy, starting 16-byte aligned): a copy costs the host tens of microseconds whatever
-    its size. Otherwise each as to_device moves it."""
+    """Host tensors on `device` in one copy per dtype (a copy costs the host tens of
+    microseconds whatever its size), each a contiguous view of its copy starting
+    ALIGN_BYTES-aligned; in the order given."""
     device = torch.device(device)
-    if (device.type != "cuda" or len({t.dtype for t in tensors}) != 1
-            or any(t.device.type != "cpu" for t in tensors)):
-        return [to_device(t, device) for t in tensors]
-    packed, starts = pack(tensors, pin=True)
-    return unpack(packed.to(device, non_blocking=True), tensors, starts)
+    if any(t.device.type != "cpu" for t in tensors):  # not host tensors: each as it is
+        return [t.to(device) for t in tensors]
+    moved: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in {t.dtype for t in tensors}:
+        places = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        group = [tensors[i] for i in places]
+        packed, starts = pack(group, pin=device.type == "cuda")
+        for i, view in zip(places, unpack(packed.to(device, non_blocking=True), group, starts)):
+            moved[i] = view
+    return moved
 
 
 def pack(tensors: list[torch.Tensor], pin: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Tensors of one dtype in one flat tensor (in pinned memory if `pin`), and where each
-    starts (16-byte aligned)."""
-    per_align = max(_ALIGN_BYTES // tensors[0].element_size(), 1)
+    starts (ALIGN_BYTES-aligned)."""
+    per_align = max(ALIGN_BYTES // tensors[0].element_size(), 1)
     starts, size = [], 0
     for t in tensors:
         starts.append(size)

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from minipic.attention.host_copy import to_device
+from minipic.attention.host_copy import to_device_together
 from minipic.attention.span_identity import NO_ID
 from minipic.attention.span_layout import SpanLayout
 
@@ -87,7 +87,7 @@ class SegmentPlan:
         if self.earlier is not None:
             parts[("plan", "merge_starts")] = self.merge_starts
             parts[("plan", "merge_entries")] = self.merge_entries
-        moved = _move_packed(parts, torch.device(device))
+        moved = dict(zip(parts, to_device_together(list(parts.values()), device)))
 
         def rows(which: str) -> FlashRows | None:
             host = getattr(self, which)
@@ -100,30 +100,6 @@ class SegmentPlan:
             return SegmentPlan(rows("own"), None)
         return SegmentPlan(rows("own"), rows("earlier"), moved[("plan", "merge_starts")],
                            moved[("plan", "merge_entries")], rows("joint"))
-
-
-# Where each packed tensor starts in its copy: Triton specializes a pointer argument on
-# whether it is 16-byte aligned, so a piece whose alignment moved with the sizes of the
-# pieces before it made Triton compile the turn or the merge again mid-run (a
-# 150-1000 ms stall of every request in the step, seen in ISPS traces).
-PACKED_ALIGN_BYTES = 16
-
-
-def _move_packed(tensors: dict, device: torch.device) -> dict:
-    """`tensors` on `device`: those of one dtype concatenated, copied once, split again;
-    each piece starts PACKED_ALIGN_BYTES-aligned."""
-    moved = {}
-    for dtype in {t.dtype for t in tensors.values()}:
-        keys = [k for k, t in tensors.items() if t.dtype == dtype]
-        per_alignment = max(1, PACKED_ALIGN_BYTES // dtype.itemsize)
-        sizes = [-(-tensors[k].numel() // per_alignment) * per_alignment for k in keys]
-        flat = torch.zeros(sum(sizes), dtype=dtype)
-        for k, piece in zip(keys, flat.split(sizes)):
-            piece[:tensors[k].numel()] = tensors[k].reshape(-1)
-        flat = to_device(flat, device)
-        for k, piece in zip(keys, flat.split(sizes)):
-            moved[k] = piece[:tensors[k].numel()].view(tensors[k].shape)
-    return moved
 
 
 def segment_plan(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int],

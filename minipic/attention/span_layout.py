@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from minipic.attention.host_copy import to_device, to_device_together
+from minipic.attention.host_copy import to_device_together
 from minipic.attention.span_identity import NO_ID
 from minipic.protocol import SpanProtocol
 
@@ -175,7 +175,9 @@ class SpanLayout:
                   self.read_offset, self.span_id)
         if all(t is None or t.device == torch.device(device) for t in tables):
             return self
-        return SpanLayout(*_moved(tables, device))
+        present = [t for t in tables if t is not None]  # one copy per dtype
+        moved = iter(to_device_together(present, device))
+        return SpanLayout(*[None if t is None else next(moved) for t in tables])
 
     def has_links(self) -> bool:
         return bool(self.shift.any())
@@ -203,15 +205,6 @@ class SpanLayout:
             return False
         has_quiet = self.quiet.any(dim=1).to(self.span_of.device)
         return bool((has_quiet & (self.span_of < 0).any(dim=1)).any())
-
-
-def _moved(tables: tuple, device: torch.device | str) -> list:
-    """`tables` on `device`, the int32 ones in one copy (the host pays for each copy, not
-    for its bytes); None stays None."""
-    together = [t for t in tables if t is not None and t.dtype == torch.int32]
-    moved = iter(to_device_together(together, device))
-    return [None if t is None else next(moved) if t.dtype == torch.int32 else to_device(t, device)
-            for t in tables]
 
 
 def span_layout(block_first_tokens: torch.Tensor, protocol: SpanProtocol, block_size: int,

@@ -21,7 +21,8 @@ def test_pack_keeps_every_table_and_aligns_each():
         assert torch.equal(view, table)
 
 
-def test_without_a_gpu_each_table_moves_alone():
-    tables = [torch.ones(3, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32)]
+def test_tables_of_several_dtypes_keep_their_values_and_order():
+    tables = [torch.ones(3, dtype=torch.int32), torch.tensor([True, False]),
+              torch.zeros(2, 2, dtype=torch.int32)]
     moved = to_device_together(tables, "cpu")
     assert all(torch.equal(m, t) for m, t in zip(moved, tables))
