@@ -125,7 +125,7 @@ class SpanBatchBuilder:
         attention = span_attention(vllm_config)
         self.use_flash_rows = (self.has_flash_rows and attention != "triton"
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
-        self.short_prefills_on_kernel = attention == "auto"
+        self.short_prefills_on_kernel = short_prefills_on_kernel(vllm_config)
         self.full_graphs = (self.use_flash_rows
                             and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
         if self.use_flash_rows and not mask_markers(vllm_config):  # else the span kernel's
@@ -497,6 +497,20 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 # rows are a turn, a FlashAttention call and a merge over a plan (docs/attention.md,
 # "Which path a span batch takes"). A link batch's kernel scores its tiles twice.
 KERNEL_MAX_QUERY_TOKENS = 128
+
+
+def short_prefills_on_kernel(vllm_config) -> bool:
+    """Whether short span prefills take the span kernel: under "auto", eager models only.
+    Eager, such a step is host-bound and the kernel's one launch a layer beats the rows'
+    three and their plan. With piecewise CUDA graphs the host is fast and the GPU's time
+    counts: the kernel takes 3x FA3's GPU time at a hit's shapes, the rows 1.9x
+    (docs/attention.md), and on one H100 a compiled 10-document hit took 23.3 ms on the
+    rows against 25.3 on the kernel (0664987, docs/benchmarks.md)."""
+    from minipic.config import span_attention
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    compiled = mode is not None and mode.has_piecewise_cudagraphs()
+    return span_attention(vllm_config) == "auto" and not compiled
 
 
 def _short_prefill(layout, query_start_loc: list[int]) -> bool:

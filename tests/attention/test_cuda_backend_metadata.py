@@ -182,6 +182,24 @@ def test_auto_sends_short_span_prefills_to_the_kernel(monkeypatch, name):
     assert rows.minipic_rows is not None and rows.minipic_tables is None
 
 
+@pytest.mark.parametrize("option, graphs, on_kernel", [
+    ("auto", "NONE", True),  # eager (enforce_eager): host-bound
+    ("auto", "FULL_DECODE_ONLY", True),  # prefills still run eagerly
+    ("auto", "FULL_AND_PIECEWISE", False),  # vLLM's default: the GPU's time counts
+    ("auto", "PIECEWISE", False),
+    ("flash", "NONE", False),
+    ("triton", "NONE", False),  # every span batch takes the kernel: no "short" rule
+])
+def test_auto_keeps_short_prefills_on_the_kernel_only_in_eager_steps(option, graphs, on_kernel):
+    from vllm.config import CUDAGraphMode
+
+    config = SimpleNamespace(
+        kv_transfer_config=None,
+        additional_config={"minipic": {"span_attention": option}},
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[graphs]))
+    assert fb.short_prefills_on_kernel(config) is on_kernel
+
+
 def test_the_span_plan_runs_in_one_torch_thread(monkeypatch):
     """Torch's thread pool stays out of the host planning (its threads would busy-wait
     beside the step's thread after each small op), and is left as it was."""
