@@ -12,9 +12,10 @@ cache in one of two ways:
     (segment_plan.py, segment_attention.py);
   * minipic's Triton kernel (`triton_kernel.unified_attention_rope`), which turns keys
     forward by their frame offsets per tile and applies the span and EPIC link rules:
-    for short span prefills under span_attention="auto" (a span hit's question: one launch
-    a layer, no plan; `_short_prefill`), for batches with mask_markers (it hides single
-    marker and padding keys), on FA2 and for fp32 models, and with span_attention="triton".
+    for short span prefills in eager steps under span_attention="auto" (a span hit's
+    question: one launch a layer, no plan; `short_prefills_on_kernel`, `_short_prefill`),
+    for batches with mask_markers (it hides single marker and padding keys), on FA2 and
+    for fp32 models, and with span_attention="triton".
 Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
     models: what stock vLLM picks there;
