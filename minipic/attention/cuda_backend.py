@@ -13,7 +13,7 @@ cache in one of two ways:
   * minipic's Triton kernel (`triton_kernel.unified_attention_rope`), which turns keys
     forward by their frame offsets per tile and applies the span and EPIC link rules:
     for short span prefills in eager steps under span_attention="auto" (a span hit's
-    question: one launch a layer, no plan; `short_prefills_on_kernel`, `_short_prefill`),
+    question: one launch a layer, no plan; `_short_prefill`),
     for batches with mask_markers (it hides single marker and padding keys), on FA2 and
     for fp32 models, and with span_attention="triton".
 Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
@@ -104,6 +104,7 @@ class SpanBatchBuilder:
     has_flash_rows: ClassVar[bool] = False
     full_graphs = False  # uniform decode steps replay full graphs (set in __init__)
     short_prefills_on_kernel = False  # span_attention "auto" (set in __init__)
+    graph_tokens = 0  # the largest prefill batch that replays CUDA graphs (set in __init__)
     graph_rows: DecodeGraphRows | None = None  # made at the first graph step
     _capturing = False  # build() runs for a full graph's capture
 
@@ -126,7 +127,8 @@ class SpanBatchBuilder:
         attention = span_attention(vllm_config)
         self.use_flash_rows = (self.has_flash_rows and attention != "triton"
                                and _flash_attention_version(kv_cache_spec.head_size) == 3)
-        self.short_prefills_on_kernel = short_prefills_on_kernel(vllm_config)
+        self.short_prefills_on_kernel = attention == "auto"
+        self.graph_tokens = graph_prefill_tokens(vllm_config)
         self.full_graphs = (self.use_flash_rows
                             and _full_decode_graphs(vllm_config, kv_cache_spec.head_size))
         if self.use_flash_rows and not mask_markers(vllm_config):  # else the span kernel's
@@ -189,7 +191,7 @@ class SpanBatchBuilder:
             query_start_loc, seq_lens = _host_extents(m)
             if (self.use_flash_rows and layout.quiet is None
                     and not (self.short_prefills_on_kernel
-                             and _short_prefill(layout, query_start_loc))):
+                             and _short_prefill(layout, query_start_loc, self.graph_tokens))):
                 metadata.minipic_rows = self._rows(layout, query_start_loc, seq_lens, m)
             if metadata.minipic_rows is None:
                 self._kernel_tables(metadata, layout, seq_lens)
@@ -493,31 +495,36 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 
 
 # Span batches of at most this many query tokens, a prefill among them and no links, take
-# the span kernel under span_attention "auto": a span hit's question is host-bound, and the
+# the span kernel under span_attention "auto" when they run eagerly (_short_prefill): a span
+# hit's question is host-bound there, and the
 # kernel is one launch a layer (bound once for all layers) with no plan to build, where the
 # rows are a turn, a FlashAttention call and a merge over a plan (docs/attention.md,
 # "Which path a span batch takes"). A link batch's kernel scores its tiles twice.
 KERNEL_MAX_QUERY_TOKENS = 128
 
 
-def short_prefills_on_kernel(vllm_config) -> bool:
-    """Whether short span prefills take the span kernel: under "auto", eager models only.
-    Eager, such a step is host-bound and the kernel's one launch a layer beats the rows'
-    three and their plan. With piecewise CUDA graphs the host is fast and the GPU's time
-    counts: the kernel takes 3x FA3's GPU time at a hit's shapes, the rows 1.9x
-    (docs/attention.md), and on one H100 a compiled 10-document hit took 23.3 ms on the
-    rows against 25.3 on the kernel (0664987, docs/benchmarks.md)."""
-    from minipic.config import span_attention
-
-    mode = vllm_config.compilation_config.cudagraph_mode
-    compiled = mode is not None and mode.has_piecewise_cudagraphs()
-    return span_attention(vllm_config) == "auto" and not compiled
+def graph_prefill_tokens(vllm_config) -> int:
+    """The most tokens a prefill or mixed batch may hold and still replay CUDA graphs
+    (vLLM pads it to a captured size); 0 when such batches run eagerly (enforce_eager,
+    FULL_DECODE_ONLY)."""
+    config = vllm_config.compilation_config
+    mode = config.cudagraph_mode
+    if mode is None or mode.mixed_mode() == type(mode).NONE:
+        return 0
+    return config.max_cudagraph_capture_size or 0
 
 
-def _short_prefill(layout, query_start_loc: list[int]) -> bool:
-    """Whether a span batch is short enough for the span kernel (KERNEL_MAX_QUERY_TOKENS)."""
+def _short_prefill(layout, query_start_loc: list[int], graph_tokens: int = 0) -> bool:
+    """Whether a span batch takes the span kernel under "auto": short (at most
+    KERNEL_MAX_QUERY_TOKENS), without links, and run eagerly (more tokens than
+    `graph_tokens`, graph_prefill_tokens). Eager, such a step is host-bound and the
+    kernel's one launch a layer beats the rows' three and their plan. Under CUDA graphs
+    the host is fast and the GPU's time counts: at a hit's shapes the kernel takes 3x
+    FA3's GPU time, the rows 1.9x (docs/attention.md), and on one H100 a compiled
+    10-document hit took 23.3 ms on the rows against 25.3 on the kernel (0664987)."""
     tokens, requests = query_start_loc[-1], len(query_start_loc) - 1
-    return requests < tokens <= KERNEL_MAX_QUERY_TOKENS and not layout.has_links()
+    return (requests < tokens <= KERNEL_MAX_QUERY_TOKENS and tokens > graph_tokens
+            and not layout.has_links())
 
 
 def _host_extents(m) -> tuple[list[int], list[int]]:

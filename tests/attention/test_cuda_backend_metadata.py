@@ -182,22 +182,38 @@ def test_auto_sends_short_span_prefills_to_the_kernel(monkeypatch, name):
     assert rows.minipic_rows is not None and rows.minipic_tables is None
 
 
-@pytest.mark.parametrize("option, graphs, on_kernel", [
-    ("auto", "NONE", True),  # eager (enforce_eager): host-bound
-    ("auto", "FULL_DECODE_ONLY", True),  # prefills still run eagerly
-    ("auto", "FULL_AND_PIECEWISE", False),  # vLLM's default: the GPU's time counts
-    ("auto", "PIECEWISE", False),
-    ("flash", "NONE", False),
-    ("triton", "NONE", False),  # every span batch takes the kernel: no "short" rule
+@pytest.mark.parametrize("graphs, capture, tokens", [
+    ("NONE", 512, 0),  # enforce_eager: every batch eager
+    ("FULL_DECODE_ONLY", 512, 0),  # prefills and mixed batches run eagerly
+    ("FULL_AND_PIECEWISE", 512, 512),  # vLLM's default
+    ("PIECEWISE", 8, 8),
+    ("FULL", 256, 256),
 ])
-def test_auto_keeps_short_prefills_on_the_kernel_only_in_eager_steps(option, graphs, on_kernel):
+def test_prefills_replay_graphs_up_to_the_largest_capture_size(graphs, capture, tokens):
     from vllm.config import CUDAGraphMode
 
-    config = SimpleNamespace(
-        kv_transfer_config=None,
-        additional_config={"minipic": {"span_attention": option}},
-        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[graphs]))
-    assert fb.short_prefills_on_kernel(config) is on_kernel
+    config = SimpleNamespace(compilation_config=SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode[graphs], max_cudagraph_capture_size=capture))
+    assert fb.graph_prefill_tokens(config) == tokens
+
+
+@pytest.mark.parametrize("graph_tokens, on_kernel", [
+    (0, True),  # eager: the question's step is host-bound
+    (19, True),  # more tokens than any captured size: run eagerly
+    (20, False),  # replayed as a graph: the GPU's time counts, the rows
+    (512, False),
+])
+def test_auto_keeps_a_graphed_question_on_the_rows(monkeypatch, graph_tokens, on_kernel):
+    """span_attention "auto" under CUDA graphs: a short span prefill that replays piecewise
+    graphs takes the rows (the kernel's GPU time is 3x FA3's there); one run eagerly, the
+    kernel."""
+    markers, query_lens, seq_lens, _ = AUTO_CASES["a_span_hits_question"]
+    builder = new_builder(monkeypatch, "flash")
+    builder.short_prefills_on_kernel = True
+    builder.graph_tokens = graph_tokens
+    md = build(builder, monkeypatch, markers, query_lens, seq_lens)
+    assert (md.minipic_tables is not None) == on_kernel
+    assert (md.minipic_rows is None) == on_kernel
 
 
 def test_the_span_plan_runs_in_one_torch_thread(monkeypatch):

@@ -172,7 +172,8 @@ def _span_answers(llm, with_prompt_logprobs, without) -> dict:
     llm.generate(spans, prefill, use_tqdm=False)
     answers = {}
     # "alone": the Block-Attention hit in a batch of its own is a short span prefill without
-    # links (span_attention "auto" gives it the span kernel; beside the EPIC prompts, the rows)
+    # links, run eagerly (in on_compiled its ~50 tokens pass the largest captured size, 8):
+    # span_attention "auto" gives it the span kernel; beside the EPIC prompts, the rows
     for label, params, batch in (("cached", without, prompts), ("first", with_prompt_logprobs,
                                                                 prompts),
                                  ("alone", without, prompts[:1])):
