@@ -22,10 +22,9 @@ the default (each document's first 64 tokens recomputed, in whole blocks), "epic
 (two blocks), "epic" (one) or "block_attention"; see minipic/serving/chat_documents.py), `span_attention` (CUDA,
 fp16/bf16 models: "flash" attends span batches with vLLM's own FlashAttention, one call
 per frame merged by log-sum-exp; "triton" with minipic's span kernel, which mask_markers
-batches always take; "auto", the default, FlashAttention but for short span prefills run eagerly (not
-replayed as CUDA graphs), such as a span hit's question, which the kernel attends in one
-launch a layer; see
-docs/attention.md), `switch_interval_ms` (the
+batches always take; "auto", the default, FlashAttention but for short span prefills
+run eagerly (not replayed as CUDA graphs), such as a span hit's question, which the
+kernel attends in one launch a layer; see docs/attention.md), `switch_interval_ms` (the
 GIL's switch interval in the engine processes, 0.2 by default, null for Python's 5;
 see minipic/switch_interval.py). Any other
 key in the `additional_config` section is refused at start-up (a typo would

@@ -519,8 +519,8 @@ def _short_prefill(layout, query_start_loc: list[int], graph_tokens: int = 0) ->
     KERNEL_MAX_QUERY_TOKENS), without links, and run eagerly (more tokens than
     `graph_tokens`, graph_prefill_tokens). Eager, such a step is host-bound and the
     kernel's one launch a layer beats the rows' three and their plan. Under CUDA graphs
-    the host is fast and the GPU's time counts: at a hit's shapes the kernel takes 3x
-    FA3's GPU time, the rows 1.9x (docs/attention.md), and on one H100 a compiled
+    the host is fast and the GPU's time counts: at a hit's shapes the kernel takes
+    3.1-4.4x FA3's GPU time, the rows 1.8-1.9x (docs/attention.md), and on one H100 a compiled
     10-document hit took 23.3 ms on the rows against 25.3 on the kernel (0664987)."""
     tokens, requests = query_start_loc[-1], len(query_start_loc) - 1
     return (requests < tokens <= KERNEL_MAX_QUERY_TOKENS and tokens > graph_tokens
