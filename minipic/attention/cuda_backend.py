@@ -12,10 +12,10 @@ cache in one of two ways:
     (segment_plan.py, segment_attention.py);
   * minipic's Triton kernel (`triton_kernel.unified_attention_rope`), which turns keys
     forward by their frame offsets per tile and applies the span and EPIC link rules:
-    for short span prefills in eager steps under span_attention="auto" (a span hit's
-    question: one launch a layer, no plan; `_short_prefill`),
-    for batches with mask_markers (it hides single marker and padding keys), on FA2 and
-    for fp32 models, and with span_attention="triton".
+    for short span prefills run eagerly under span_attention="auto" (a span hit's
+    question: one launch a layer, no plan; `_short_prefill`), for batches with
+    mask_markers (it hides single marker and padding keys), on FA2 and for fp32 models,
+    and with span_attention="triton".
 Two stock bases, the same additions (`SpanBatchBuilder`, `SpanBatchImpl`):
   * FlashAttention (FA3 on Hopper, FA2 from compute capability 8.0), for fp16/bf16
     models: what stock vLLM picks there;
@@ -496,10 +496,10 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 
 # Span batches of at most this many query tokens, a prefill among them and no links, take
 # the span kernel under span_attention "auto" when they run eagerly (_short_prefill): a span
-# hit's question is host-bound there, and the
-# kernel is one launch a layer (bound once for all layers) with no plan to build, where the
-# rows are a turn, a FlashAttention call and a merge over a plan (docs/attention.md,
-# "Which path a span batch takes"). A link batch's kernel scores its tiles twice.
+# hit's question is host-bound there, and the kernel is one launch a layer (bound once for
+# all layers) with no plan to build, where the rows are a turn, a FlashAttention call and a
+# merge over a plan (docs/attention.md, "Which path a span batch takes"). A link batch's
+# kernel scores its tiles twice.
 KERNEL_MAX_QUERY_TOKENS = 128
 
 
@@ -520,8 +520,9 @@ def _short_prefill(layout, query_start_loc: list[int], graph_tokens: int = 0) ->
     `graph_tokens`, graph_prefill_tokens). Eager, such a step is host-bound and the
     kernel's one launch a layer beats the rows' three and their plan. Under CUDA graphs
     the host is fast and the GPU's time counts: at a hit's shapes the kernel takes
-    3.1-4.4x FA3's GPU time, the rows 1.8-1.9x (docs/attention.md), and on one H100 a compiled
-    10-document hit took 23.3 ms on the rows against 25.3 on the kernel (0664987)."""
+    3.1-4.4x FA3's GPU time, the rows 1.8-1.9x (docs/attention.md), and on one H100 a
+    compiled 10-document hit took 23.3 ms on the rows against 25.3 on the kernel
+    (0664987)."""
     tokens, requests = query_start_loc[-1], len(query_start_loc) - 1
     return (requests < tokens <= KERNEL_MAX_QUERY_TOKENS and tokens > graph_tokens
             and not layout.has_links())
