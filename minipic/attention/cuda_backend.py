@@ -507,14 +507,15 @@ def graph_prefill_tokens(vllm_config) -> int:
     """The most tokens a prefill or mixed batch may hold and still replay CUDA graphs
     (vLLM pads it to a captured size); 0 when such batches run eagerly (enforce_eager,
     FULL_DECODE_ONLY)."""
-    config = vllm_config.compilation_config
-    mode = config.cudagraph_mode
-    if mode is None or mode.mixed_mode() == type(mode).NONE:
+    from vllm.config import CUDAGraphMode
+
+    config = vllm_config.compilation_config  # its mode is set by VllmConfig.__post_init__
+    if config.cudagraph_mode.mixed_mode() == CUDAGraphMode.NONE:
         return 0
     return config.max_cudagraph_capture_size or 0
 
 
-def _short_prefill(layout, query_start_loc: list[int], graph_tokens: int = 0) -> bool:
+def _short_prefill(layout, query_start_loc: list[int], graph_tokens: int) -> bool:
     """Whether a span batch takes the span kernel under "auto": short (at most
     KERNEL_MAX_QUERY_TOKENS), without links, and run eagerly (more tokens than
     `graph_tokens`, graph_prefill_tokens). Eager, such a step is host-bound and the
