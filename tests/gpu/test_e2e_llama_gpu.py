@@ -75,9 +75,15 @@ def _span_prompts() -> list:
 
     protocol = SpanProtocol(**MARKERS)
     docs = [tokens(n) for n in (300, 170, 450, 90)]
-    return [RECIPES_BY_NAME[name](docs[i:] + docs[:i], tokens(40), protocol=protocol,
-                                  block_size=BLOCK_SIZE, system=tokens(20))
-            for i, name in enumerate(("block_attention", "epic", "epic2"))]
+    prompts = [RECIPES_BY_NAME[name](docs[i:] + docs[:i], tokens(40), protocol=protocol,
+                                     block_size=BLOCK_SIZE, system=tokens(20))
+               for i, name in enumerate(("block_attention", "epic", "epic2"))]
+    # the first prompt's documents under a system and question of its own: the "alone"
+    # hit (_span_answers), which then hits its prefills (its header, the shared documents)
+    # and nothing else
+    alone = RECIPES_BY_NAME["block_attention"](docs, tokens(40), protocol=protocol,
+                                               block_size=BLOCK_SIZE, system=tokens(20))
+    return prompts + [alone]
 
 
 def _prompts() -> list[list[int]]:
@@ -166,17 +172,20 @@ def _span_answers(llm, with_prompt_logprobs, without) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = _span_prompts()
+    *prompts, alone = _span_prompts()
     prefill = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-    spans = [TokensPrompt(prompt_token_ids=s) for p in prompts for s in p.span_prefills]
+    spans = [TokensPrompt(prompt_token_ids=s)
+             for p in (*prompts, alone) for s in p.span_prefills]
     llm.generate(spans, prefill, use_tqdm=False)
     answers = {}
-    # "alone": the Block-Attention hit in a batch of its own is a short span prefill without
+    # "alone": a Block-Attention hit in a batch of its own is a short span prefill without
     # links, run eagerly (in on_compiled its ~50 tokens pass the largest captured size, 8):
-    # span_attention "auto" gives it the span kernel; beside the EPIC prompts, the rows
+    # span_attention "auto" gives it the span kernel; beside the EPIC prompts, the rows.
+    # Its question is new: the first prompt's, computed by the rounds before, would be a
+    # prefix hit too (two blocks more than its spans).
     for label, params, batch in (("cached", without, prompts), ("first", with_prompt_logprobs,
                                                                 prompts),
-                                 ("alone", without, prompts[:1])):
+                                 ("alone", without, [alone])):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p.final) for p in batch], params,
                             use_tqdm=False)
         answers[label] = [dict(_answer(o), expected_cached=p.expected_cached_tokens)
