@@ -112,6 +112,10 @@ def main() -> None:
         parser.error("--profile-dir or --host-profile, not both")
     if args.paired and (args.profile_dir or args.host_profile):
         parser.error("--paired times prompts only: no --profile-dir or --host-profile")
+    if args.paired and not cuda_available():
+        # found here, not as an NVML traceback after stock's engine has started
+        parser.error("--paired needs a CUDA GPU: its two engines share one card's memory "
+                     "(on a CPU, run without --paired: each phase in its own process)")
     if args.stack_samples:  # the phases' processes inherit it, and start their samplers
         os.environ[ENV_FOLDER] = str(args.stack_samples.resolve())
     if args.gc_pauses:
@@ -126,6 +130,12 @@ def main() -> None:
                       profile_stack=args.profile_stack, host_profile_dir=args.host_profile,
                       paired=args.paired)
     report(results, args)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def save(results: list[dict], args) -> None:
