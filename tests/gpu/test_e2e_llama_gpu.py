@@ -168,7 +168,8 @@ def _count_span_paths() -> dict:
 def _span_answers(llm, with_prompt_logprobs, without) -> dict:
     """Span prompts: spans prefilled alone, then the final prompts as hits ("cached"), once
     more with prompt logprobs ("first"), which vLLM computes without its prefix cache (the
-    spans are then computed inside the final prompt), and the first one as a hit alone."""
+    spans are then computed inside the final prompt), and a fourth Block-Attention prompt
+    (the first's documents, a header and question of its own) as a hit alone."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -179,7 +180,7 @@ def _span_answers(llm, with_prompt_logprobs, without) -> dict:
     llm.generate(spans, prefill, use_tqdm=False)
     answers = {}
     # "alone": a Block-Attention hit in a batch of its own is a short span prefill without
-    # links, run eagerly (in on_compiled its ~50 tokens pass the largest captured size, 8):
+    # links, run eagerly (in on_compiled its 41 computed tokens pass the largest captured size, 8):
     # span_attention "auto" gives it the span kernel; beside the EPIC prompts, the rows.
     # Its question is new: the first prompt's, computed by the rounds before, would be a
     # prefix hit too (two blocks more than its spans).
