@@ -3,14 +3,15 @@ workload whose timed prompts each have documents of their own."""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
 
-from minipic.devtools.bench_setup import TINY_MARKERS
+from minipic.devtools.bench_setup import TINY_MARKERS, random_words
 from minipic.devtools.ttft_phases import (GpuTooSmallError, check_gpu_holds, gpu_blocks_needed,
-                                          load_counters, phases_of, with_new_question,
-                                          workload)
+                                          load_counters, phases_of, with_hit_warmups,
+                                          with_new_question, workload)
 
 
 def test_phases_of_disk_specs():
@@ -57,6 +58,26 @@ def test_stock_gets_the_same_documents_with_a_new_question():
         assert asked[question + 1:] != final[question + 1:]
     assert "new_questions" in workload("tiny", [1], 40, 1, block, TINY_MARKERS, ["gpu-hit"])
     assert with_new_question([1, 4, 2, 4, 5, 6], 4, lambda n: [9] * n) == [1, 4, 2, 4, 9, 9]
+
+
+def test_stock_warms_up_both_prefix_hits_it_is_timed_on():
+    """Stock's first timed rerun and new question must not be the first steps of their kind
+    (eager, the first rerun took 150 ms where the second took 52): its warm-up runs each
+    warm-up prompt, then that prompt again, then it with a new question."""
+    block, pdep = 32, TINY_MARKERS["pdep_token_id"]
+    load = workload("tiny", [1, 2], 40, 2, block, TINY_MARKERS, ["stock", "gpu-hit"])
+    stock, hit = load["warmups"]["stock"], load["warmups"]["gpu-hit"]
+    assert len(stock) == 3 * len(hit)
+    for final, rerun, asked in zip(stock[::3], stock[1::3], stock[2::3]):
+        question = len(final) - 1 - final[::-1].index(pdep)
+        assert rerun == final
+        assert asked[: question + 1] == final[: question + 1] and asked != final
+    # the timed prompts' new questions are drawn first: the warm-ups leave them as they were
+    words = random_words(random.Random(1), "tiny")
+    assert load["new_questions"] == [[k, with_new_question(final, pdep, words)]
+                                     for k, final in load["finals"]["stock"]]
+    assert with_hit_warmups([[1, 4, 5]], 4, lambda n: [9] * n) == [[1, 4, 5], [1, 4, 5],
+                                                                    [1, 4, 9]]
 
 
 def test_load_counters_of_a_store_not_written_yet(tmp_path):
