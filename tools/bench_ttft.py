@@ -52,6 +52,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
 from minipic.client.prompts.recipes import RECIPES_BY_NAME  # noqa: E402
 from minipic.devtools.bench_setup import (  # noqa: E402
     DEFAULT_DISK_PHASES, add_minipic_option, disk_phase_list, gib, int_list,
@@ -112,7 +114,7 @@ def main() -> None:
         parser.error("--profile-dir or --host-profile, not both")
     if args.paired and (args.profile_dir or args.host_profile):
         parser.error("--paired times prompts only: no --profile-dir or --host-profile")
-    if args.paired and not cuda_available():
+    if args.paired and not torch.cuda.is_available():
         # found here, not as an NVML traceback after stock's engine has started
         parser.error("--paired needs a CUDA GPU: its two engines share one card's memory "
                      "(on a CPU, run without --paired: each phase in its own process)")
@@ -130,12 +132,6 @@ def main() -> None:
                       profile_stack=args.profile_stack, host_profile_dir=args.host_profile,
                       paired=args.paired)
     report(results, args)
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def save(results: list[dict], args) -> None:
