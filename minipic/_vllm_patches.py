@@ -24,11 +24,12 @@ for the vLLM config in force, so an instance without minipic runs stock code.
 |   .__init__, .prepare_inputs, .add_requests and  |             | batch's rows of that table and a host |
 |   ._remove_request                               |             | copy of each running prompt           |
 |                                                  |             | (host_prompts.py)                     |
-| v1.worker.gpu.model_runner.GPUModelRunner        | worker      | full decode graphs: keep the step for |
-|   .execute_model, and v1.worker.gpu              |             | the dispatch check, which sends decode|
-|   .cudagraph_utils.CudaGraphManager.dispatch     |             | batches without spans or past the     |
-|                                                  |             | graph's capacity to piecewise graphs  |
-|                                                  |             | (attention/decode_dispatch.py)        |
+| v1.worker.gpu.model_runner.GPUModelRunner        | worker      | full graphs: keep the step for the    |
+|   .execute_model, and v1.worker.gpu              |             | dispatch check, which sends batches   |
+|   .cudagraph_utils.CudaGraphManager.dispatch     |             | without spans or past the graph's     |
+|   (its ._candidates), ModelCudaGraphManager      |             | capacity to piecewise graphs; add     |
+|   ._init_candidates (._candidates,               |             | prefill graphs of one request         |
+|   ._capture_descs)                               |             | (attention/graph_dispatch.py)         |
 | v1.core.sched.scheduler.Scheduler.schedule       | engine core | tag new requests with whether they    |
 |   (AsyncScheduler's too: it inherits it)         |             | carry a cache_salt (never shared)     |
 | v1.engine.input_processor.InputProcessor         | front end   | refuse a prompt whose SSep/PDep/link  |
@@ -84,8 +85,8 @@ versions, worker process unless said otherwise):
 | FlashAttentionImpl .vllm_flash_attn_version, .scale;| attention/          | span batches as          |
 |   backends.flash_attn.flash_attn_varlen_func      |   cuda_backend.py     | FlashAttention rows      |
 |   (return_softmax_lse, block_table, out)          |                       |                          |
-| AttentionCGSupport, builder                       | attention/            | full decode graphs       |
-|   .build_for_cudagraph_capture; vllm_config       |   cuda_backend.py     | (decode_graph.py)        |
+| AttentionCGSupport, builder                       | attention/            | full graphs              |
+|   .build_for_cudagraph_capture; vllm_config       |   cuda_backend.py     | (graph_rows.py)          |
 |   .use_v2_model_runner, compilation_config        |                       |                          |
 |   .max_cudagraph_capture_size; BatchExecution-    | _vllm_patches.py      |                          |
 |   Descriptor .cg_mode, .num_reqs                  |                       |                          |
@@ -97,6 +98,7 @@ versions, worker process unless said otherwise):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable
@@ -380,23 +382,25 @@ _executing: tuple | None = None
 
 
 def _patch_full_decode_graphs(model_runner) -> None:
-    """MRV2 full decode graphs (attention.decode_dispatch): note which steps replay one, and
-    send a decode batch without spans (stock attention) or whose span rows exceed its
-    graph's capacity (no room for them) to the piecewise graphs instead."""
+    """MRV2 full graphs (attention.graph_dispatch): note which steps replay one, send a
+    decode batch without spans (stock attention) or whose span rows exceed its graph's
+    capacity (no room for them) to the piecewise graphs instead, and capture minipic's
+    prefill graphs beside vLLM's (a span hit's question)."""
     from vllm.v1.worker.gpu import cudagraph_utils
 
     _wrap(model_runner.GPUModelRunner, "execute_model", _full_graph_execute_model)
     _wrap(cudagraph_utils.CudaGraphManager, "dispatch", _full_graph_dispatch)
+    _wrap(cudagraph_utils.ModelCudaGraphManager, "_init_candidates", _prefill_graph_candidates)
 
 
 def _full_graph_execute_model(original):
     """execute_model, with the step (runner, scheduler output, dummy run) kept for the
     dispatch check while it runs."""
-    from minipic.attention import decode_dispatch
+    from minipic.attention import graph_dispatch
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         global _executing
-        decode_dispatch.note_graph_step(None)
+        graph_dispatch.note_graph_step(None)
         if not is_enabled(self.vllm_config):
             return original(self, scheduler_output, *args, **kwargs)
         dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
@@ -405,30 +409,96 @@ def _full_graph_execute_model(original):
             return original(self, scheduler_output, *args, **kwargs)
         finally:
             _executing = None
-            decode_dispatch.note_graph_step(None)
+            graph_dispatch.note_graph_step(None)
     return execute_model
 
 
 def _full_graph_dispatch(original):
-    """CudaGraphManager.dispatch, a full decode graph kept only for a step that takes it."""
+    """CudaGraphManager.dispatch, a full graph kept only for a step that takes it."""
     from vllm.config.compilation import CUDAGraphMode
 
-    from minipic.attention import decode_dispatch
+    from minipic.attention import graph_dispatch
 
     def dispatch(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
         desc = original(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
         if _executing is None or desc.cg_mode != CUDAGraphMode.FULL:
             return desc
         runner, scheduler_output, dummy = _executing
+        scheduled = scheduler_output.num_scheduled_tokens
         if dummy:  # no requests: every row of the graph is padding
-            decode_dispatch.note_graph_step(0)
-        elif decode_dispatch.takes_full_graph(
-                runner, scheduler_output.num_scheduled_tokens, desc.num_reqs):
-            decode_dispatch.note_graph_step(num_reqs)
+            graph_dispatch.note_graph_step(0)
+        elif desc in getattr(self, "minipic_prefill_descs", ()):
+            if not graph_dispatch.takes_prefill_graph(runner, scheduled, desc.num_tokens):
+                return _piecewise(self, desc)
+            graph_dispatch.note_graph_step(1)
+        elif graph_dispatch.takes_full_graph(runner, scheduled, desc.num_reqs):
+            graph_dispatch.note_graph_step(num_reqs)
         else:  # as a batch of uneven queries: a piecewise graph
-            return original(self, num_reqs, num_tokens, None, *args, **kwargs)
+            return _piecewise(self, desc)
         return desc
     return dispatch
+
+
+def _piecewise(manager, full):
+    """The piecewise graph at the token count of the `full` graph dispatch found (or no
+    graph): what vLLM's default mode runs a batch that is not a uniform decode on."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    key = (full.num_tokens, full.num_active_loras)
+    for desc in manager._candidates.get(key, ()):
+        if desc.cg_mode == CUDAGraphMode.PIECEWISE:
+            return desc
+    return dataclasses.replace(full, cg_mode=CUDAGraphMode.NONE, num_reqs=None,
+                               uniform_token_count=None)
+
+
+def _prefill_graph_candidates(original):
+    """ModelCudaGraphManager._init_candidates, plus minipic's prefill graphs: one request,
+    up to each of vLLM's capture sizes up to graph_dispatch.PREFILL_GRAPH_TOKENS_MAX
+    tokens, full graphs of the rows path (a span hit's question). Tried before the
+    piecewise graph of that size: the dispatch check sends a batch that does not take
+    one on to the piecewise graph."""
+    def _init_candidates(self):
+        original(self)
+        if _prefill_graphs_wanted(self.vllm_config, self.cudagraph_mode):
+            _add_prefill_graphs(self)
+    return _init_candidates
+
+
+def _prefill_graphs_wanted(vllm_config, cudagraph_mode) -> bool:
+    """minipic on, full decode graphs of the rows (cuda_backend._full_decode_graphs) and
+    piecewise graphs for the rest: vLLM's default mode, FULL_AND_PIECEWISE."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    if not (is_enabled(vllm_config) and cudagraph_mode.decode_mode() == CUDAGraphMode.FULL
+            and cudagraph_mode.mixed_mode() == CUDAGraphMode.PIECEWISE):
+        return False
+    from minipic.attention.cuda_backend import _full_decode_graphs
+
+    return _full_decode_graphs(vllm_config, vllm_config.model_config.get_head_size())
+
+
+def _add_prefill_graphs(manager) -> None:
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    from minipic.attention.graph_dispatch import prefill_graph_sizes
+
+    added = []
+    for size in prefill_graph_sizes(manager.compilation_config.cudagraph_capture_sizes):
+        candidates = manager._candidates.get((size, 0))  # one list for the sizes up to it
+        if candidates is None:
+            continue
+        desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, num_tokens=size, num_reqs=1)
+        first_piecewise = next((i for i, d in enumerate(candidates)
+                                if d.cg_mode != CUDAGraphMode.FULL), len(candidates))
+        candidates.insert(first_piecewise, desc)
+        added.append(desc)
+    if added:
+        full = manager._capture_descs.setdefault(CUDAGraphMode.FULL, [])
+        full.extend(added)
+        full.sort(key=lambda d: d.num_tokens, reverse=True)  # as vLLM orders its own
+    manager.minipic_prefill_descs = frozenset(added)
 
 
 def _note_host_prompts(runner, scheduler_output) -> None:

@@ -25,12 +25,13 @@ vLLM 0.25's FlashAttention and Triton backends share the cache layout
 `[blocks, kv_heads, block_size, 2 * head_size]`: `split_kv_cache` reads both).
 
 CUDA graphs: a batch's path (stock attention, the rows or the span kernel) is chosen
-per batch in eager code between piecewise graph pieces. Uniform decode steps on
-FlashAttention rows (FA3, Model Runner V2, no mask_markers) also replay full graphs
-(`AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`): such a step over span prompts runs
-the rows path from buffers of a fixed capacity (decode_graph.py); one without spans, or
-past the capacity, is sent to the piecewise graphs (decode_dispatch.py). Elsewhere
-`AttentionCGSupport.NEVER`: piecewise graphs, attention run eagerly between them.
+per batch in eager code between piecewise graph pieces. On FlashAttention rows (FA3,
+Model Runner V2, no mask_markers) two kinds of step also replay full graphs, on the rows
+path from buffers of a fixed capacity (graph_rows.py): uniform decode steps over span
+prompts (`AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`), and one request's short
+prefill over spans, a span hit's question (minipic's prefill graphs); a step without
+spans, or past the capacity, is sent to the piecewise graphs (graph_dispatch.py).
+Elsewhere `AttentionCGSupport.NEVER`: piecewise graphs, attention run eagerly between them.
 
 Registered as `AttentionBackendEnum.CUSTOM`; minipic's attention-selector patch
 returns one of them whenever minipic is on, so users never pick it by hand.
@@ -56,8 +57,9 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from minipic.attention.backend_traits import PositionFreeTraits, UnsupportedAttentionError
-from minipic.attention.decode_dispatch import graph_step, note_block_size
-from minipic.attention.decode_graph import DecodeGraphRows
+from minipic.attention.graph_dispatch import (graph_step, note_block_size, prefill_graph_sizes,
+                                              prefill_plan)
+from minipic.attention.graph_rows import GraphRows, GraphShape
 from minipic.attention.layer_check import check_current_model
 from minipic.attention.links import batch_metadata, token_turns, turn_back_tokens
 from minipic.attention.rope import current_rope, head_mismatch
@@ -105,7 +107,8 @@ class SpanBatchBuilder:
     full_graphs = False  # uniform decode steps replay full graphs (set in __init__)
     short_prefills_on_kernel = False  # span_attention "auto" (set in __init__)
     graph_tokens = 0  # the largest prefill batch that replays CUDA graphs (set in __init__)
-    graph_rows: DecodeGraphRows | None = None  # made at the first graph step
+    graph_rows: GraphRows | None = None  # made at the first graph step
+    graph_max_prefill = 0  # the largest prefill graph's tokens (set in __init__)
     _capturing = False  # build() runs for a full graph's capture
 
     @classmethod
@@ -156,6 +159,8 @@ class SpanBatchBuilder:
                                       vllm_config.compilation_config.max_cudagraph_capture_size
                                       or vllm_config.scheduler_config.max_num_seqs)
             self.graph_max_seqlen_k = vllm_config.model_config.max_model_len
+            self.graph_max_prefill = max(prefill_graph_sizes(
+                vllm_config.compilation_config.cudagraph_capture_sizes), default=0)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """A full graph's capture: its rows at capacity, every one padding."""
@@ -207,25 +212,29 @@ class SpanBatchBuilder:
         return metadata
 
     def _graph_build(self, metadata, m, real_reqs: int):
-        """A step a full decode graph replays (or captures): its first real_reqs requests
-        are the batch, the rest padding, on the rows path (decode_graph.py)."""
-        if real_reqs and m.max_query_len != 1:
-            raise RuntimeError("minipic: a full decode graph step has one query per request")
+        """A step a full graph replays (or captures) on the rows path (graph_rows.py): a
+        decode graph's first real_reqs requests, or a prefill graph's one request (its
+        question, the graph's first tokens), the rest padding. vLLM builds it at the
+        graph's sizes: a decode graph's requests are its tokens, a prefill graph has one."""
+        shape = GraphShape(m.num_actual_tokens, prefill=m.num_reqs < m.num_actual_tokens)
+        if real_reqs and (m.max_query_len != 1) != shape.prefill:
+            raise RuntimeError("minipic: a full graph step of the wrong kind (a decode graph "
+                               "runs one query per request, a prefill graph one request)")
         rope = current_rope()
         if self.graph_rows is None:
-            self.graph_rows = DecodeGraphRows(
-                self.graph_max_reqs, m.block_table_tensor.shape[1], self.graph_max_seqlen_k,
-                rope.rotary_dim, rope.is_neox_style, self.device)
+            self.graph_rows = GraphRows(
+                self.graph_max_reqs, self.graph_max_prefill, m.block_table_tensor.shape[1],
+                self.graph_max_seqlen_k, rope.rotary_dim, rope.is_neox_style, self.device)
         query_start_loc, seq_lens = _host_extents(m)
         query_start_loc, seq_lens = query_start_loc[: real_reqs + 1], seq_lens[:real_reqs]
         layout = current_layout(real_reqs, self.block_size, m.max_seq_len) if real_reqs else None
         plan = key_turns = None
         if layout is not None and not layout.is_plain():
-            plan = segment_plan(layout.to("cpu"), query_start_loc, seq_lens, self.block_size,
-                                link_shifts=True)
+            plan = prefill_plan(layout, query_start_loc, seq_lens) or segment_plan(
+                layout.to("cpu"), query_start_loc, seq_lens, self.block_size, link_shifts=True)
             key_turns = key_turn_backs(layout, query_start_loc, seq_lens, self.block_size)
         metadata.minipic_rows, metadata.minipic_key_turn = self.graph_rows.fill(
-            m.num_reqs, plan, seq_lens, key_turns, m.block_table_tensor, self.block_size,
+            shape, plan, seq_lens, key_turns, m.block_table_tensor, self.block_size,
             rope.cos_sin(self.device))
         metadata.minipic_tables = metadata.minipic_quiet_bits = None
         metadata.minipic_token_shift = None

@@ -50,7 +50,7 @@ class SegmentBatch:
     own_turned: bool
     rotary_dim: int
     is_neox_style: bool
-    # A full graph's batch (decode_graph.py): [1] on the device, how many of the turn's
+    # A full graph's batch (graph_rows.py): [1] on the device, how many of the turn's
     # rows are in use (the rest are capacity); None: all are.
     turn_count: torch.Tensor | None = None
     # The turn's and the merge's launches, bound once for every layer (CUDA:

@@ -332,18 +332,25 @@ def _host_layout(num_reqs: int, block_size: int, width: int | None,
     (rounded up to HOST_LAYOUT_BLOCK_STEP blocks) only, so a decode step whose batch holds
     the same requests as the last step's reuses that layout (and the plan's tables of it):
     it is not changed after it is built."""
-    global _last_host_layout
     runner = _runner()
     prompts = getattr(runner, "minipic_host_prompts", None)
     if prompts is None or _mrv2_idx_mapping_np is None or width is None:
         return None
-    rows = _mrv2_idx_mapping_np[:num_reqs]
+    return host_layout(prompts, _mrv2_idx_mapping_np[:num_reqs], block_size, width, decoding)
+
+
+def host_layout(prompts, rows: np.ndarray, block_size: int, width: int,
+                decoding: np.ndarray | None = None) -> SpanLayout | None:
+    """The layout of the batch of runner rows `rows` (int32) from minipic's host copy of
+    their prompts, as _host_layout makes it (the full-graph dispatch check makes it before
+    the batch is built: the builder's current_layout finds it made)."""
+    global _last_host_layout
     # Decoding sequences cross a block every block_size steps: a layout some blocks wider
     # than the batch needs serves the steps after it too (the plan steps on over it).
     blocks = -(-width // (block_size * HOST_LAYOUT_BLOCK_STEP)) * HOST_LAYOUT_BLOCK_STEP
     # one request shares with no one: its spans' ids are not worth their hashing
-    share = (num_reqs > 1) & (np.ones(rows.size, dtype=bool) if decoding is None
-                              else np.asarray(decoding[: rows.size], dtype=bool))
+    share = (rows.size > 1) & (np.ones(rows.size, dtype=bool) if decoding is None
+                               else np.asarray(decoding[: rows.size], dtype=bool))
     key = (prompts, prompts.generation, rows.tobytes(), block_size, blocks, share.tobytes())
     if _last_host_layout is not None and _last_host_layout[0] == key:
         return _last_host_layout[1]

@@ -92,12 +92,12 @@ def _errors(name: str) -> dict[str, float]:
 
 
 def _graph_errors(kwargs: dict) -> dict[str, float]:
-    """A full decode graph's batch (decode_graph.py), two padding requests: the turn
+    """A full decode graph's batch (graph_rows.py), two padding requests: the turn
     stops at its row count, the merge gives padding (rows without keys, whose LSE FA3
     gives as -inf and FA2 as +inf) 0."""
     import torch
 
-    from minipic.attention.decode_graph import DecodeGraphRows
+    from minipic.attention.graph_rows import GraphRows, GraphShape
     from minipic.attention.segment_attention import paged_flash_reference
     from minipic.attention.segment_kernels import merge_rows, turn_rows_and_keys
     from minipic.attention.segment_plan import segment_plan
@@ -109,9 +109,9 @@ def _graph_errors(kwargs: dict) -> dict[str, float]:
     plan = segment_plan(case.layout, case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
     table = torch.zeros(padded, case.block_table.shape[1], dtype=case.block_table.dtype)
     table[:n] = case.block_table
-    rows = DecodeGraphRows(padded, table.shape[1], 4096, case.rotary_dim, case.is_neox,
+    rows = GraphRows(padded, 0, table.shape[1], 4096, case.rotary_dim, case.is_neox,
                            torch.device("cpu"))
-    batch, _ = rows.fill(padded, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+    batch, _ = rows.fill(GraphShape(padded), plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
     q = torch.cat([case.q, torch.randn(2, *case.q.shape[1:]).to(case.q.dtype)])
     used = int(batch.turn_count)
     by_kernel, _ = turn_rows_and_keys(q, batch.turn_index, batch.turn.cos, batch.turn.sin,

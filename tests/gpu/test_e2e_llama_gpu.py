@@ -48,10 +48,11 @@ RUNS = {
     # A second stock backend: how far two correct kernels drift apart on this model.
     "off_triton": dict(enforce_eager=True, attention_config={"backend": "TRITON_ATTN"}),
     "on_eager": dict(enforce_eager=True, additional_config=MINIPIC),
-    # torch.compile, piecewise CUDA graphs and full graphs of decode steps over span prompts
-    # (the rows path from fixed-capacity buffers: decode_graph.py)
+    # torch.compile, piecewise CUDA graphs, full graphs of decode steps over span prompts
+    # and of a span hit's question (the rows path from fixed-capacity buffers:
+    # graph_rows.py); 48 holds the "alone" hit's 41 computed tokens
     "on_compiled": dict(additional_config=MINIPIC,
-                        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}),
+                        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 48]}),
     # span batches on minipic's Triton kernel instead of FlashAttention rows
     "on_spans_triton": dict(enforce_eager=True,
                             additional_config={"minipic": {**MARKERS, "span_attention": "triton"}}),
@@ -136,16 +137,18 @@ def _child(run: str, model_dir: str, out_path: str) -> None:
 def _count_span_paths() -> dict:
     """Count the layer calls of each span path, and the batches whose plans share rows
     between requests (the engine runs in this process)."""
-    from minipic.attention import cuda_backend, decode_graph, segment_plan
+    from minipic.attention import cuda_backend, graph_rows, segment_plan
 
-    calls = {"rows": 0, "kernel": 0, "shared_plans": 0, "graph_span_steps": 0}
-    fill = decode_graph.DecodeGraphRows.fill
+    calls = {"rows": 0, "kernel": 0, "shared_plans": 0, "graph_span_steps": 0,
+             "graph_prefill_steps": 0}
+    fill = graph_rows.GraphRows.fill
 
-    def counted_fill(self, num_reqs, plan, *args, **kwargs):
+    def counted_fill(self, shape, plan, *args, **kwargs):
         calls["graph_span_steps"] += plan is not None  # a full graph replayed a span batch
-        return fill(self, num_reqs, plan, *args, **kwargs)
+        calls["graph_prefill_steps"] += plan is not None and shape.prefill  # a question
+        return fill(self, shape, plan, *args, **kwargs)
 
-    decode_graph.DecodeGraphRows.fill = counted_fill
+    graph_rows.GraphRows.fill = counted_fill
     for name, path in (("segment_attention", "rows"), ("unified_attention_rope", "kernel")):
         original = getattr(cuda_backend, name)
 
@@ -180,8 +183,8 @@ def _span_answers(llm, with_prompt_logprobs, without) -> dict:
     llm.generate(spans, prefill, use_tqdm=False)
     answers = {}
     # "alone": a Block-Attention hit in a batch of its own is a short span prefill without
-    # links, run eagerly (in on_compiled its 41 computed tokens pass the largest captured size, 8):
-    # span_attention "auto" gives it the span kernel; beside the EPIC prompts, the rows.
+    # links: eager, span_attention "auto" gives it the span kernel; in on_compiled its 41
+    # computed tokens replay the prefill graph of 48; beside the EPIC prompts, the rows.
     # Its question is new: the first prompt's, computed by the rounds before, would be a
     # prefix hit too (two blocks more than its spans).
     for label, params, batch in (("cached", without, prompts), ("first", with_prompt_logprobs,
@@ -360,7 +363,11 @@ def test_span_prompts_on_flash_rows_match_the_span_kernel(runs, run):
     its spans: no further apart than two stock backends on plain prompts."""
     _need(runs, run, "on_spans_triton", "off_eager", "off_triton")
     noise = _compare(runs["off_eager"], runs["off_triton"])
-    assert runs[run]["span_paths"]["rows"] > 0 and runs[run]["span_paths"]["kernel"] > 0
+    paths = runs[run]["span_paths"]
+    assert paths["rows"] > 0
+    # the hit alone: eager on the kernel, compiled in a prefill graph (on the rows)
+    assert (paths["kernel"] > 0) == (run == "on_eager")
+    assert (paths["graph_prefill_steps"] > 0) == (run == "on_compiled")
     assert runs["on_spans_triton"]["span_paths"]["rows"] == 0
     assert runs["on_spans_triton"]["span_paths"]["kernel"] > 0
     flash, kernel = runs[run]["spans"], runs["on_spans_triton"]["spans"]
@@ -369,6 +376,10 @@ def test_span_prompts_on_flash_rows_match_the_span_kernel(runs, run):
     s = _compare(kernel, flash)
     assert s["prompt_lp_mean_abs_diff"] < 2 * noise["prompt_lp_mean_abs_diff"] + 0.01, (s, noise)
     assert s["prompt_lp_p99_abs_diff"] < 2 * noise["prompt_lp_p99_abs_diff"] + 0.05, (s, noise)
+    # the hits' first tokens (the alone's: its question's graph, compiled)
+    for label in ("cached", "alone"):
+        assert max(s[f"{label}_first_token_lp_diff"]) < (
+            2 * noise["prompt_lp_p99_abs_diff"] + 0.05), (label, s, noise)
     # the decode steps after the hits (compiled: replayed from full decode graphs)
     assert s["decode_lp_compared"] > 0, s
     decode_noise = noise["decode_lp_mean_abs_diff"] or 0.0

@@ -179,11 +179,11 @@ def test_requests_sharing_documents_on_fa3(query_lens):
 
 
 def test_a_captured_decode_graph_replays_other_batches():
-    """decode_graph: the rows' attention captured once in a CUDA graph at the buffers'
+    """graph_rows: the rows' attention captured once in a CUDA graph at the buffers'
     capacity (every request padding, as vLLM captures), then replayed after each fill of
     another decode batch (shared documents, EPIC, plain; fewer requests than the graph's):
     each replay matches the reference, and the padding requests give 0."""
-    from minipic.attention.decode_graph import DecodeGraphRows
+    from minipic.attention.graph_rows import GraphRows, GraphShape
 
     heads = dict(num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                  device="cuda")
@@ -196,12 +196,12 @@ def test_a_captured_decode_graph_replays_other_batches():
     k_cache = torch.cat([c.k_cache for c in cases])
     v_cache = torch.cat([c.v_cache for c in cases])
     offsets = torch.tensor([0] + [c.k_cache.shape[0] for c in cases]).cumsum(0)
-    rows = DecodeGraphRows(num_reqs, width, 8192, 128, True, torch.device("cuda"))
+    rows = GraphRows(num_reqs, 0, width, 8192, 128, True, torch.device("cuda"))
     table = torch.zeros(num_reqs, width, dtype=torch.int32, device="cuda")
     query = torch.zeros(num_reqs, 32, 128, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(query)
     flash = functools.partial(vllm_flash_rows, scale=cases[0].scale, fa_version=3)
-    batch, _ = rows.fill(num_reqs, None, [], None, table, 16, cases[0].cos_sin)
+    batch, _ = rows.fill(GraphShape(num_reqs), None, [], None, table, 16, cases[0].cos_sin)
     segment_attention(query, k_cache, v_cache, out, batch, flash)  # warm-up, as vLLM's
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -212,13 +212,54 @@ def test_a_captured_decode_graph_replays_other_batches():
             case.layout.to("cpu"), case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
         table.zero_()
         table[:n, : case.block_table.shape[1]] = case.block_table + offsets[i].item()
-        rows.fill(num_reqs, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+        rows.fill(GraphShape(num_reqs), plan, case.seq_lens.tolist(), None, table, 16,
+                  case.cos_sin)
         query.normal_()
         query[:n] = case.q
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out[:n], reference_attention(case)) < TOLERANCE[torch.bfloat16], i
         assert not out[n:].any(), i
+
+
+def test_a_captured_prefill_graph_replays_span_questions():
+    """graph_rows: a prefill graph (one request, 48 tokens) captured with every token
+    padding, then replayed after each fill of a span hit's question (33 and 41 tokens
+    over ten and four documents): each replay matches the reference."""
+    from minipic.attention.graph_rows import GraphRows, GraphShape
+
+    heads = dict(num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+                 device="cuda")
+    cases = [make_case([33], [16 + 10 * 96], **heads, markers=["-" + "S-----" * 10 + "P--"]),
+             make_case([41], [16 + 4 * 160], **heads, seed=1,
+                       markers=["-" + "S---------" * 4 + "P--"])]
+    shape, width = GraphShape(48, prefill=True), max(c.block_table.shape[1] for c in cases)
+    k_cache = torch.cat([c.k_cache for c in cases])
+    v_cache = torch.cat([c.v_cache for c in cases])
+    offsets = torch.tensor([0] + [c.k_cache.shape[0] for c in cases]).cumsum(0)
+    rows = GraphRows(8, shape.rows, width, 8192, 128, True, torch.device("cuda"))
+    table = torch.zeros(1, width, dtype=torch.int32, device="cuda")
+    query = torch.zeros(shape.rows, 32, 128, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(query)
+    flash = functools.partial(vllm_flash_rows, scale=cases[0].scale, fa_version=3)
+    batch, _ = rows.fill(shape, None, [], None, table, 16, cases[0].cos_sin)
+    segment_attention(query, k_cache, v_cache, out, batch, flash)  # warm-up, as vLLM's
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        segment_attention(query, k_cache, v_cache, out, batch, flash)
+    for i, case in enumerate(cases):
+        n = case.q.shape[0]
+        plan = segment_plan(case.layout.to("cpu"), case.cu_seqlens_q.tolist(),
+                            case.seq_lens.tolist(), 16, link_shifts=True)
+        assert plan.joint is not None
+        table.zero_()
+        table[:, : case.block_table.shape[1]] = case.block_table + offsets[i].item()
+        rows.fill(shape, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+        query.normal_()
+        query[:n] = case.q
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out[:n], reference_attention(case)) < TOLERANCE[torch.bfloat16], i
 
 
 @pytest.mark.parametrize("limit, count", [(2 * 33 * 10, 3), (100, 20)],

@@ -1,4 +1,4 @@
-"""A full decode graph's rows (decode_graph.py) against the independent reference, on CPU:
+"""A full decode graph's rows (graph_rows.py) against the independent reference, on CPU:
 the same batch written into fixed-capacity buffers, with padding requests after the real
 ones and empty rows after the plan's, must attend as the exact plan does (the rows run
 through `paged_flash_reference`, what FlashAttention computes; the GPU e2e tests replay
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from minipic.attention import decode_dispatch, decode_graph, span_layout
-from minipic.attention.decode_graph import DecodeGraphRows, earlier_capacity
+from minipic.attention import graph_dispatch, graph_rows, span_layout
+from minipic.attention.graph_rows import GraphRows, GraphShape, earlier_capacity
 from minipic.attention.host_prompts import HostPrompts
 from minipic.attention.segment_attention import paged_flash_reference, segment_attention
 from minipic.attention.segment_plan import segment_plan
@@ -29,11 +29,12 @@ PADDING = 3  # the graph's batch size is the real requests' plus this
 def graph_attention(case, plan, num_reqs):
     """`case`'s decode batch through a graph of num_reqs requests: output [num_reqs, ...]."""
     n = case.q.shape[0]
-    rows = DecodeGraphRows(num_reqs + 2, case.block_table.shape[1], 4096, case.rotary_dim,
-                           case.is_neox, torch.device("cpu"))
+    rows = GraphRows(num_reqs + 2, 0, case.block_table.shape[1], 4096, case.rotary_dim,
+                     case.is_neox, torch.device("cpu"))
     table = torch.zeros(num_reqs, case.block_table.shape[1], dtype=case.block_table.dtype)
     table[:n] = case.block_table
-    batch, _ = rows.fill(num_reqs, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+    batch, _ = rows.fill(GraphShape(num_reqs), plan, case.seq_lens.tolist(), None, table, 16,
+                         case.cos_sin)
     query = torch.cat([case.q, torch.randn(num_reqs - n, *case.q.shape[1:]).to(case.q.dtype)])
     out = torch.full_like(query, float("nan"))
     segment_attention(query, case.k_cache, case.v_cache, out, batch,
@@ -98,7 +99,7 @@ def test_the_graph_without_the_earlier_rows_gives_another_answer():
 
 def test_a_batch_past_the_capacity_is_refused(monkeypatch):
     case = shared_documents_case(torch.float32)
-    monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
+    monkeypatch.setattr(graph_rows, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
     with pytest.raises(RuntimeError, match="does not fit the CUDA graph"):
         graph_attention(case, decode_plan(case), 3)
 
@@ -107,7 +108,7 @@ def test_the_dispatch_check_counts_each_requests_need_and_skips_plain_batches(mo
     """The check before vLLM picks a full graph: each prompt's need alone, summed, against
     the plan of the batch; a batch without spans stays with stock's attention."""
     monkeypatch.setattr(span_layout, "_protocol", MARKERS)
-    monkeypatch.setattr(decode_dispatch, "_block_size", 16)
+    monkeypatch.setattr(graph_dispatch, "_block_size", 16)
     markers = [epic_markers(4, 3, 1, 2), epic_markers(2, 5, 1, 3), "---P", "----"]
     prompts, lens = marker_prompts(markers), [16 * len(m) - 3 for m in markers]
     runner = SimpleNamespace(minipic_host_prompts=prompts, req_states=SimpleNamespace(
@@ -115,11 +116,11 @@ def test_the_dispatch_check_counts_each_requests_need_and_skips_plain_batches(mo
     layout = marker_layout(markers[:3], max(-(-s // 16) + 1 for s in lens), 16)
     plan = segment_plan(layout, [0, 1, 2, 3], [s + 1 for s in lens[:3]], 16)
     assert plan.earlier.query_index.numel() == 4 + 2  # a row per cached document
-    takes = decode_dispatch.takes_full_graph
+    takes = graph_dispatch.takes_full_graph
     assert takes(runner, ["a", "b", "c"], 4)  # 6 <= 4 * 32
-    monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
+    monkeypatch.setattr(graph_rows, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
     assert not takes(runner, ["a", "b", "c"], 4)  # 6 > 4
-    monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 2)
+    monkeypatch.setattr(graph_rows, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 2)
     assert takes(runner, ["a", "b", "c"], 3)  # 6 <= 6
     assert not takes(runner, ["c", "d"], 3)  # no spans: stock's attention, piecewise
     assert not takes(runner, ["a", "x"], 3)  # a request the runner does not hold
@@ -136,7 +137,7 @@ def test_the_dispatch_patch_picks_the_full_graph_only_for_span_batches_that_fit(
     from minipic import _vllm_patches
 
     monkeypatch.setattr(span_layout, "_protocol", MARKERS)
-    monkeypatch.setattr(decode_dispatch, "_block_size", 16)
+    monkeypatch.setattr(graph_dispatch, "_block_size", 16)
     monkeypatch.setattr(_vllm_patches, "is_enabled", lambda config: True)
     prompts = marker_prompts([epic_markers(4, 3, 1, 2), "---P"])
     desc = cudagraph_utils.BatchExecutionDescriptor
@@ -152,7 +153,7 @@ def test_the_dispatch_patch_picks_the_full_graph_only_for_span_batches_that_fit(
 
     def stock_execute(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
         picked = dispatch(manager, 2, 2, 1, num_active_loras=0)
-        seen.append((picked.cg_mode, decode_dispatch.graph_step()))
+        seen.append((picked.cg_mode, graph_dispatch.graph_step()))
 
     execute = _vllm_patches._full_graph_execute_model(stock_execute)
     runner = SimpleNamespace(vllm_config=None, minipic_host_prompts=prompts,
@@ -161,26 +162,47 @@ def test_the_dispatch_patch_picks_the_full_graph_only_for_span_batches_that_fit(
     def step(req_ids, **kwargs):
         execute(runner, SimpleNamespace(num_scheduled_tokens=dict.fromkeys(req_ids, 1)),
                 **kwargs)
-        assert decode_dispatch.graph_step() is None  # cleared after the step
+        assert graph_dispatch.graph_step() is None  # cleared after the step
         return seen[-1]
 
     assert step(["s", "p"]) == (CUDAGraphMode.FULL, 2)
     assert step(["p"]) == (CUDAGraphMode.PIECEWISE, None)  # no spans
     assert step(["s", "p"], dummy_run=True) == (CUDAGraphMode.FULL, 0)
-    monkeypatch.setattr(decode_graph, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
+    monkeypatch.setattr(graph_rows, "GRAPH_EARLIER_TOKENS_PER_REQUEST", 1)
     assert step(["s", "p"]) == (CUDAGraphMode.PIECEWISE, None)  # 4 > 2: past the capacity
 
 
-def test_a_prefill_plan_is_refused_even_as_one_call():
-    """A short prefill's rows go as one call of one-query rows (segment_plan._joint), like a
-    decode batch's; the graph still refuses it: its requests have more than one query."""
+def test_a_prefill_in_a_prefill_graph_as_in_the_plan():
+    """A short prefill's rows go as one call of one-query rows (segment_plan._joint): the
+    graph holds them as a decode batch's, its own rows the query tokens, padding tokens
+    after them (a span hit's question in a prefill graph, graph_dispatch.py)."""
     case = shared_documents_case(dtype=torch.float32, query_lens=(20, 1, 20))
     plan = decode_plan(case)
-    assert plan.joint is not None
-    reqs = len(case.seq_lens)
-    rows = DecodeGraphRows(reqs + PADDING, case.block_table.shape[1], 4096, case.rotary_dim,
-                           case.is_neox, torch.device("cpu"))
-    table = torch.zeros(reqs + PADDING, case.block_table.shape[1], dtype=case.block_table.dtype)
-    table[:reqs] = case.block_table
-    with pytest.raises(ValueError, match="one query per request"):
-        rows.fill(reqs + PADDING, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+    assert plan.joint is not None and plan.earlier is not None
+    tokens = case.q.shape[0]
+    shape = GraphShape(tokens + PADDING, prefill=True)
+    rows = GraphRows(2, shape.rows, case.block_table.shape[1], 4096, case.rotary_dim,
+                     case.is_neox, torch.device("cpu"))
+    table = case.block_table.clone()  # the prefill graph's requests are the batch's
+    batch, _ = rows.fill(shape, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+    query = torch.cat([case.q, torch.randn(PADDING, *case.q.shape[1:]).to(case.q.dtype)])
+    out = torch.full_like(query, float("nan"))
+    segment_attention(query, case.k_cache, case.v_cache, out, batch,
+                      functools.partial(paged_flash_reference, scale=case.scale))
+    assert relative_error(out[:tokens], reference_attention(case)) < 1e-5
+    assert torch.equal(out[tokens:], torch.zeros_like(out[tokens:]))
+    assert batch.turn_index.numel() == shape.rows + earlier_capacity(shape.rows, prefill=True)
+
+
+def test_a_causal_prefill_plan_is_refused():
+    """Own rows of several queries (a prefill whose rows are not one query each: no
+    earlier rows, or too many keys to split) cannot go in a graph's one-query rows."""
+    case = make_case([20], [70], num_q_heads=4, num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, markers=["S--S--"])
+    plan = decode_plan(case)
+    plan.joint = None
+    rows = GraphRows(2, 32, case.block_table.shape[1], 4096, case.rotary_dim, case.is_neox,
+                     torch.device("cpu"))
+    with pytest.raises(ValueError, match="one query each"):
+        rows.fill(GraphShape(32, prefill=True), plan, case.seq_lens.tolist(), None,
+                  case.block_table, 16, case.cos_sin)
