@@ -106,6 +106,9 @@ def takes_prefill_graph(runner, scheduled: dict[str, int], graph_tokens: int) ->
     if row is None or not 1 < tokens <= graph_tokens:
         return False
     rows = np.array([row], dtype=np.int32)  # as the runner's idx_mapping
+    if not prompts.holds(rows) or not prompts.derived(
+            row, ("marked", block_size), lambda prompt: _marked(prompt, block_size)):
+        return False  # a plain prompt (most chat requests): no layout to make
     seq_len = int(runner.req_states.num_computed_tokens_np[row]) + tokens
     from vllm.utils.torch_utils import set_default_torch_num_threads
 
@@ -120,6 +123,11 @@ def takes_prefill_graph(runner, scheduled: dict[str, int], graph_tokens: int) ->
         return False
     _prefill_plan = (layout, query_start_loc, seq_lens, plan)
     return True
+
+
+def _marked(prompt: np.ndarray, block_size: int) -> bool:
+    """Whether a block of the prompt starts with a marker (else its layout is plain)."""
+    return not current_protocol().markers.isdisjoint(prompt[::block_size].tolist())
 
 
 def prefill_plan(layout: SpanLayout, query_start_loc: list[int], seq_lens: list[int]
