@@ -178,67 +178,25 @@ def test_requests_sharing_documents_on_fa3(query_lens):
     assert relative_error(ours, reference_attention(case)) < TOLERANCE[torch.bfloat16]
 
 
-def test_a_captured_decode_graph_replays_other_batches():
-    """graph_rows: the rows' attention captured once in a CUDA graph at the buffers'
-    capacity (every request padding, as vLLM captures), then replayed after each fill of
-    another decode batch (shared documents, EPIC, plain; fewer requests than the graph's):
-    each replay matches the reference, and the padding requests give 0."""
-    from minipic.attention.graph_rows import GraphRows, GraphShape
+GRAPH_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+                   device="cuda")
 
-    heads = dict(num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                 device="cuda")
-    cases = [shared_documents_case(**heads), build("spans_decode", torch.bfloat16),
-             make_case([1, 1], [16 + 640, 800], **heads,
-                       markers=[epic_markers(10, 4, 1, 3), epic_markers(3, 12, 2, 8)]),
-             make_case([1, 1, 1], [90, 2000, 7], **heads)]
-    num_reqs, width = 6, max(c.block_table.shape[1] for c in cases)
+
+def _replay_captured_rows(cases, shape, table_rows: int) -> None:
+    """graph_rows: the rows' attention captured once in a CUDA graph at `shape` (every
+    query padding, as vLLM captures), then replayed after each fill of a case's batch
+    (`table_rows` requests in the table): each replay matches the reference, and the
+    padding queries give 0."""
+    from minipic.attention.graph_rows import GraphRows
+
+    width = max(c.block_table.shape[1] for c in cases)
     # one cache for all: each case's blocks copied in at its own offset
     k_cache = torch.cat([c.k_cache for c in cases])
     v_cache = torch.cat([c.v_cache for c in cases])
     offsets = torch.tensor([0] + [c.k_cache.shape[0] for c in cases]).cumsum(0)
-    rows = GraphRows(num_reqs, 0, width, 8192, 128, True, torch.device("cuda"))
-    table = torch.zeros(num_reqs, width, dtype=torch.int32, device="cuda")
-    query = torch.zeros(num_reqs, 32, 128, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty_like(query)
-    flash = functools.partial(vllm_flash_rows, scale=cases[0].scale, fa_version=3)
-    batch, _ = rows.fill(GraphShape(num_reqs), None, [], None, table, 16, cases[0].cos_sin)
-    segment_attention(query, k_cache, v_cache, out, batch, flash)  # warm-up, as vLLM's
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        segment_attention(query, k_cache, v_cache, out, batch, flash)
-    for i, case in enumerate(cases):
-        n = case.q.shape[0]
-        plan = None if case.layout is None else segment_plan(
-            case.layout.to("cpu"), case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
-        table.zero_()
-        table[:n, : case.block_table.shape[1]] = case.block_table + offsets[i].item()
-        rows.fill(GraphShape(num_reqs), plan, case.seq_lens.tolist(), None, table, 16,
-                  case.cos_sin)
-        query.normal_()
-        query[:n] = case.q
-        graph.replay()
-        torch.cuda.synchronize()
-        assert relative_error(out[:n], reference_attention(case)) < TOLERANCE[torch.bfloat16], i
-        assert not out[n:].any(), i
-
-
-def test_a_captured_prefill_graph_replays_span_questions():
-    """graph_rows: a prefill graph (one request, 48 tokens) captured with every token
-    padding, then replayed after each fill of a span hit's question (33 and 41 tokens
-    over ten and four documents): each replay matches the reference."""
-    from minipic.attention.graph_rows import GraphRows, GraphShape
-
-    heads = dict(num_q_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                 device="cuda")
-    cases = [make_case([33], [16 + 10 * 96], **heads, markers=["-" + "S-----" * 10 + "P--"]),
-             make_case([41], [16 + 4 * 160], **heads, seed=1,
-                       markers=["-" + "S---------" * 4 + "P--"])]
-    shape, width = GraphShape(48, prefill=True), max(c.block_table.shape[1] for c in cases)
-    k_cache = torch.cat([c.k_cache for c in cases])
-    v_cache = torch.cat([c.v_cache for c in cases])
-    offsets = torch.tensor([0] + [c.k_cache.shape[0] for c in cases]).cumsum(0)
-    rows = GraphRows(8, shape.rows, width, 8192, 128, True, torch.device("cuda"))
-    table = torch.zeros(1, width, dtype=torch.int32, device="cuda")
+    rows = GraphRows(8, shape.rows * shape.prefill, width, 8192, 128, True,
+                     torch.device("cuda"))
+    table = torch.zeros(table_rows, width, dtype=torch.int32, device="cuda")
     query = torch.zeros(shape.rows, 32, 128, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(query)
     flash = functools.partial(vllm_flash_rows, scale=cases[0].scale, fa_version=3)
@@ -248,18 +206,42 @@ def test_a_captured_prefill_graph_replays_span_questions():
     with torch.cuda.graph(graph):
         segment_attention(query, k_cache, v_cache, out, batch, flash)
     for i, case in enumerate(cases):
-        n = case.q.shape[0]
-        plan = segment_plan(case.layout.to("cpu"), case.cu_seqlens_q.tolist(),
-                            case.seq_lens.tolist(), 16, link_shifts=True)
-        assert plan.joint is not None
+        n, reqs = case.q.shape[0], case.block_table.shape[0]
+        plan = None if case.layout is None else segment_plan(
+            case.layout.to("cpu"), case.cu_seqlens_q.tolist(), case.seq_lens.tolist(), 16)
         table.zero_()
-        table[:, : case.block_table.shape[1]] = case.block_table + offsets[i].item()
+        table[:reqs, : case.block_table.shape[1]] = case.block_table + offsets[i].item()
         rows.fill(shape, plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
         query.normal_()
         query[:n] = case.q
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out[:n], reference_attention(case)) < TOLERANCE[torch.bfloat16], i
+        assert not out[n:].any(), i
+
+
+def test_a_captured_decode_graph_replays_other_batches():
+    """A decode graph of 6 requests over other decode batches (shared documents, EPIC,
+    plain; fewer requests than the graph's)."""
+    from minipic.attention.graph_rows import GraphShape
+
+    cases = [shared_documents_case(**GRAPH_HEADS), build("spans_decode", torch.bfloat16),
+             make_case([1, 1], [16 + 640, 800], **GRAPH_HEADS,
+                       markers=[epic_markers(10, 4, 1, 3), epic_markers(3, 12, 2, 8)]),
+             make_case([1, 1, 1], [90, 2000, 7], **GRAPH_HEADS)]
+    _replay_captured_rows(cases, GraphShape(6), table_rows=6)
+
+
+def test_a_captured_prefill_graph_replays_span_questions():
+    """A prefill graph (one request, 48 tokens) over span hits' questions: 33 and 41
+    tokens over ten and four documents."""
+    from minipic.attention.graph_rows import GraphShape
+
+    cases = [make_case([33], [16 + 10 * 96], **GRAPH_HEADS,
+                       markers=["-" + "S-----" * 10 + "P--"]),
+             make_case([41], [16 + 4 * 160], **GRAPH_HEADS, seed=1,
+                       markers=["-" + "S---------" * 4 + "P--"])]
+    _replay_captured_rows(cases, GraphShape(48, prefill=True), table_rows=1)
 
 
 @pytest.mark.parametrize("limit, count", [(2 * 33 * 10, 3), (100, 20)],
