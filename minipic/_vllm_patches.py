@@ -104,8 +104,8 @@ import logging
 from typing import Any, Callable
 
 from minipic.config import (CONFIG_KEY, CONNECTOR_NAME, check_option_keys, is_enabled,
-                            mask_markers, server_recipe, span_attention, span_protocol_of,
-                            span_scale, switch_interval_ms)
+                            mask_markers, prefill_graphs, server_recipe, span_attention,
+                            span_protocol_of, span_scale, switch_interval_ms)
 from minipic.hashing.block_hasher import check_hash_algo
 from minipic.marker_checks import check_markers_fit_model
 from minipic.protocol import MisplacedMarkerError, SpanProtocol
@@ -199,8 +199,9 @@ def _prepare_config(vllm_config: Any) -> SpanProtocol:
     check_hash_algo(vllm_config.cache_config.prefix_caching_hash_algo)
     _check_connector_options(vllm_config)
     server_recipe(vllm_config)  # a bad `recipe` option fails at start-up, not per request
-    span_attention(vllm_config)  # and bad `span_attention` or `mask_markers` values, before
-    mask_markers(vllm_config)  # an engine process reads them
+    span_attention(vllm_config)  # and bad `span_attention`, `mask_markers` or
+    mask_markers(vllm_config)  # `prefill_graphs` values, before an engine process reads them
+    prefill_graphs(vllm_config)
     _check_span_scale(vllm_config)
     switch_interval_ms(vllm_config)
     protocol = span_protocol_of(vllm_config)
@@ -466,11 +467,13 @@ def _prefill_graph_candidates(original):
 
 
 def _prefill_graphs_wanted(vllm_config, cudagraph_mode) -> bool:
-    """minipic on, full decode graphs of the rows (cuda_backend._full_decode_graphs) and
-    piecewise graphs for the rest: vLLM's default mode, FULL_AND_PIECEWISE."""
+    """Option `prefill_graphs`, full decode graphs of the rows
+    (cuda_backend._full_decode_graphs) and piecewise graphs for the rest: vLLM's default
+    mode, FULL_AND_PIECEWISE."""
     from vllm.config.compilation import CUDAGraphMode
 
-    if not (is_enabled(vllm_config) and cudagraph_mode.decode_mode() == CUDAGraphMode.FULL
+    if not (is_enabled(vllm_config) and prefill_graphs(vllm_config)
+            and cudagraph_mode.decode_mode() == CUDAGraphMode.FULL
             and cudagraph_mode.mixed_mode() == CUDAGraphMode.PIECEWISE):
         return False
     from minipic.attention.cuda_backend import _full_decode_graphs

@@ -24,7 +24,10 @@ fp16/bf16 models: "flash" attends span batches with vLLM's own FlashAttention, o
 per frame merged by log-sum-exp; "triton" with minipic's span kernel, which mask_markers
 batches always take; "auto", the default, FlashAttention but for short span prefills
 run eagerly (not replayed as CUDA graphs), such as a span hit's question, which the
-kernel attends in one launch a layer; see docs/attention.md), `switch_interval_ms` (the
+kernel attends in one launch a layer; see docs/attention.md), `prefill_graphs` (CUDA,
+compiled, experimental, false by default: true captures full CUDA graphs in which a span
+hit's question of up to 128 tokens runs on the FlashAttention rows, where it otherwise
+runs piecewise, its attention eager; see docs/attention.md), `switch_interval_ms` (the
 GIL's switch interval in the engine processes, 0.2 by default, null for Python's 5;
 see minipic/switch_interval.py). Any other
 key in the `additional_config` section is refused at start-up (a typo would
@@ -51,7 +54,7 @@ def connector_config(options: Mapping[str, Any] | None = None) -> dict[str, Any]
 # Every key minipic reads from its additional_config section, in one place: the
 # span protocol's fields (so a marker added there is allowed here) and the switch.
 ENGINE_OPTION_KEYS = frozenset(
-    {"enabled", "mask_markers", "recipe", "span_attention", "span_scale",
+    {"enabled", "mask_markers", "prefill_graphs", "recipe", "span_attention", "span_scale",
      "switch_interval_ms", *(field.name for field in dataclasses.fields(SpanProtocol))})
 
 # Span prompts the API server can build from chat `documents` (option `recipe`), the names
@@ -120,6 +123,14 @@ def mask_markers(vllm_config: Any) -> bool:
     value = (minipic_options(vllm_config) or {}).get("mask_markers", False)
     if not isinstance(value, bool):
         raise ValueError(f"{CONFIG_KEY}.mask_markers must be true or false, got {value!r}")
+    return value
+
+
+def prefill_graphs(vllm_config: Any) -> bool:
+    """Whether a span hit's question replays a full CUDA graph (option `prefill_graphs`)."""
+    value = (minipic_options(vllm_config) or {}).get("prefill_graphs", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{CONFIG_KEY}.prefill_graphs must be true or false, got {value!r}")
     return value
 
 

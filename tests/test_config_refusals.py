@@ -127,7 +127,8 @@ def test_unknown_minipic_option_is_refused(tiny_model):
 
 
 @pytest.mark.parametrize("option,value", [("span_attention", "fa3"), ("recipe", "epic3"),
-                                          ("mask_markers", "yes"), ("span_scale", "half"),
+                                          ("mask_markers", "yes"), ("prefill_graphs", "yes"),
+                                          ("span_scale", "half"),
                                           ("span_scale", 0), ("span_scale", 1.5),
                                           ("span_scale", True),
                                           ("switch_interval_ms", 0),

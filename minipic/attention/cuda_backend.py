@@ -28,8 +28,9 @@ CUDA graphs: a batch's path (stock attention, the rows or the span kernel) is ch
 per batch in eager code between piecewise graph pieces. On FlashAttention rows (FA3,
 Model Runner V2, no mask_markers) two kinds of step also replay full graphs, on the rows
 path from buffers of a fixed capacity (graph_rows.py): uniform decode steps over span
-prompts (`AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`), and one request's short
-prefill over spans, a span hit's question (minipic's prefill graphs); a step without
+prompts (`AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`), and, with the option
+`prefill_graphs`, one request's short prefill over spans, a span hit's question
+(minipic's prefill graphs, captured beside vLLM's); a step without
 spans, or past the capacity, is sent to the piecewise graphs (graph_dispatch.py).
 Elsewhere `AttentionCGSupport.NEVER`: piecewise graphs, attention run eagerly between them.
 
@@ -124,7 +125,7 @@ class SpanBatchBuilder:
         self.split_kv_scratch = split_kv_buffers(
             max(SPLIT_KV_MAX_TOKENS, self.seq_threshold_3d), self.num_heads_q, self.headdim,
             device)
-        from minipic.config import mask_markers, span_attention
+        from minipic.config import mask_markers, prefill_graphs, span_attention
 
         # FA3 only: FA2's varlen LSE for GQA decodes (its swapped query groups) is untested
         attention = span_attention(vllm_config)
@@ -159,8 +160,9 @@ class SpanBatchBuilder:
                                       vllm_config.compilation_config.max_cudagraph_capture_size
                                       or vllm_config.scheduler_config.max_num_seqs)
             self.graph_max_seqlen_k = vllm_config.model_config.max_model_len
-            self.graph_max_prefill = max(prefill_graph_sizes(
-                vllm_config.compilation_config.cudagraph_capture_sizes), default=0)
+            if prefill_graphs(vllm_config):
+                self.graph_max_prefill = max(prefill_graph_sizes(
+                    vllm_config.compilation_config.cudagraph_capture_sizes), default=0)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """A full graph's capture: its rows at capacity, every one padding."""

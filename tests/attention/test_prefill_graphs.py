@@ -135,3 +135,21 @@ def test_the_dispatch_patch_replays_a_prefill_graph_only_for_a_span_question(run
     assert step({"r0": QUESTION}) == (mode.FULL, 1)
     assert step({"r1": QUESTION}) == (mode.PIECEWISE, None)  # no spans
     assert step({"r0": QUESTION}, dummy_run=True) == (mode.FULL, 0)
+
+
+@pytest.mark.parametrize("option, mode, wanted", [
+    (True, "FULL_AND_PIECEWISE", None),  # then the rows' full graphs decide (FA3, MRV2)
+    (False, "FULL_AND_PIECEWISE", False),  # the default: no prefill graphs
+    (True, "PIECEWISE", False),  # no full graphs at all
+    (True, "FULL_DECODE_ONLY", False)])  # prefills eager: nothing to replay them among
+def test_prefill_graphs_are_captured_only_when_asked_for_in_the_default_mode(
+        monkeypatch, option, mode, wanted):
+    from minipic import _vllm_patches
+    from minipic.attention import cuda_backend
+
+    _, modes = _descs()
+    monkeypatch.setattr(cuda_backend, "_full_decode_graphs", lambda config, head_size: None)
+    config = SimpleNamespace(
+        kv_transfer_config=None, model_config=SimpleNamespace(get_head_size=lambda: 128),
+        additional_config={"minipic": {"prefill_graphs": option}})
+    assert _vllm_patches._prefill_graphs_wanted(config, getattr(modes, mode)) is wanted

@@ -49,9 +49,9 @@ RUNS = {
     "off_triton": dict(enforce_eager=True, attention_config={"backend": "TRITON_ATTN"}),
     "on_eager": dict(enforce_eager=True, additional_config=MINIPIC),
     # torch.compile, piecewise CUDA graphs, full graphs of decode steps over span prompts
-    # and of a span hit's question (the rows path from fixed-capacity buffers:
-    # graph_rows.py); 48 holds the "alone" hit's 41 computed tokens
-    "on_compiled": dict(additional_config=MINIPIC,
+    # and (option prefill_graphs) of a span hit's question (the rows path from
+    # fixed-capacity buffers: graph_rows.py); 48 holds the "alone" hit's 41 computed tokens
+    "on_compiled": dict(additional_config={"minipic": {**MARKERS, "prefill_graphs": True}},
                         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 48]}),
     # span batches on minipic's Triton kernel instead of FlashAttention rows
     "on_spans_triton": dict(enforce_eager=True,
@@ -184,7 +184,8 @@ def _span_answers(llm, with_prompt_logprobs, without) -> dict:
     answers = {}
     # "alone": a Block-Attention hit in a batch of its own is a short span prefill without
     # links: eager, span_attention "auto" gives it the span kernel; in on_compiled its 41
-    # computed tokens replay the prefill graph of 48; beside the EPIC prompts, the rows.
+    # computed tokens replay the prefill graph of 48 (option prefill_graphs); beside the EPIC
+    # prompts, the rows.
     # Its question is new: the first prompt's, computed by the rounds before, would be a
     # prefix hit too (two blocks more than its spans).
     for label, params, batch in (("cached", without, prompts), ("first", with_prompt_logprobs,
