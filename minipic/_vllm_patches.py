@@ -88,8 +88,13 @@ versions, worker process unless said otherwise):
 | AttentionCGSupport, builder                       | attention/            | full graphs              |
 |   .build_for_cudagraph_capture; vllm_config       |   cuda_backend.py     | (graph_rows.py)          |
 |   .use_v2_model_runner, compilation_config        |                       |                          |
-|   .max_cudagraph_capture_size; BatchExecution-    | _vllm_patches.py      |                          |
-|   Descriptor .cg_mode, .num_reqs                  |                       |                          |
+|   .max_cudagraph_capture_size,                    | _vllm_patches.py      |                          |
+|   .cudagraph_capture_sizes, .cudagraph_mode;      |                       |                          |
+|   BatchExecutionDescriptor(cg_mode, num_tokens,   |                       |                          |
+|   num_reqs) .num_active_loras; CommonAttention-   |                       |                          |
+|   Metadata .num_actual_tokens, .max_query_len     |                       |                          |
+| GPUModelRunner.req_states .req_id_to_index,       | attention/            | a question's sequence    |
+|   .num_computed_tokens_np                         |   graph_dispatch.py   | length, at dispatch      |
 | vllm_config .scheduler_config                     | attention/            | how many query copies a  |
 |   .max_num_batched_tokens, .model_config          |   cuda_backend.py     | batch's rows may hold    |
 |   .hf_text_config.intermediate_size, .dtype,      |                       | (plan_groups.py)         |
@@ -422,7 +427,10 @@ def _full_graph_dispatch(original):
 
     def dispatch(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
         desc = original(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
-        if _executing is None or desc.cg_mode != CUDAGraphMode.FULL:
+        if _executing is None:
+            return desc
+        graph_dispatch.note_graph_step(None)  # this dispatch's answer, not an earlier one's
+        if desc.cg_mode != CUDAGraphMode.FULL:
             return desc
         runner, scheduler_output, dummy = _executing
         scheduled = scheduler_output.num_scheduled_tokens
@@ -430,27 +438,28 @@ def _full_graph_dispatch(original):
             graph_dispatch.note_graph_step(0)
         elif desc in getattr(self, "minipic_prefill_descs", ()):
             if not graph_dispatch.takes_prefill_graph(runner, scheduled, desc.num_tokens):
-                return _piecewise(self, desc)
+                return _piecewise(self, desc, num_reqs, num_tokens)
             graph_dispatch.note_graph_step(1)
         elif graph_dispatch.takes_full_graph(runner, scheduled, desc.num_reqs):
             graph_dispatch.note_graph_step(num_reqs)
         else:  # as a batch of uneven queries: a piecewise graph
-            return _piecewise(self, desc)
+            return _piecewise(self, desc, num_reqs, num_tokens)
         return desc
     return dispatch
 
 
-def _piecewise(manager, full):
+def _piecewise(manager, full, num_reqs: int, num_tokens: int):
     """The piecewise graph at the token count of the `full` graph dispatch found (or no
-    graph): what vLLM's default mode runs a batch that is not a uniform decode on."""
+    graph, as stock's dispatch gives it): what vLLM's default mode runs a batch that is not
+    a uniform decode on."""
     from vllm.config.compilation import CUDAGraphMode
 
     key = (full.num_tokens, full.num_active_loras)
     for desc in manager._candidates.get(key, ()):
         if desc.cg_mode == CUDAGraphMode.PIECEWISE:
             return desc
-    return dataclasses.replace(full, cg_mode=CUDAGraphMode.NONE, num_reqs=None,
-                               uniform_token_count=None)
+    return dataclasses.replace(full, cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
+                               num_reqs=num_reqs, uniform_token_count=None)
 
 
 def _prefill_graph_candidates(original):
@@ -461,47 +470,42 @@ def _prefill_graph_candidates(original):
     one on to the piecewise graph."""
     def _init_candidates(self):
         original(self)
-        if _prefill_graphs_wanted(self.vllm_config, self.cudagraph_mode):
-            _add_prefill_graphs(self)
+        if is_enabled(self.vllm_config):
+            from minipic.attention.cuda_backend import prefill_graphs_wanted
+
+            if prefill_graphs_wanted(self.vllm_config, self.cudagraph_mode):
+                _add_prefill_graphs(self)
     return _init_candidates
 
 
-def _prefill_graphs_wanted(vllm_config, cudagraph_mode) -> bool:
-    """Option `prefill_graphs`, full decode graphs of the rows
-    (cuda_backend._full_decode_graphs) and piecewise graphs for the rest: vLLM's default
-    mode, FULL_AND_PIECEWISE."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    if not (is_enabled(vllm_config) and prefill_graphs(vllm_config)
-            and cudagraph_mode.decode_mode() == CUDAGraphMode.FULL
-            and cudagraph_mode.mixed_mode() == CUDAGraphMode.PIECEWISE):
-        return False
-    from minipic.attention.cuda_backend import _full_decode_graphs
-
-    return _full_decode_graphs(vllm_config, vllm_config.model_config.get_head_size())
-
-
 def _add_prefill_graphs(manager) -> None:
+    """One request's full graph at each prefill graph size, in the candidate lists of the
+    token counts that size's piecewise graph serves (vLLM 0.25 shares one list between
+    them), before that piecewise graph, and in the graphs to capture."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
     from minipic.attention.graph_dispatch import prefill_graph_sizes
 
-    added = []
-    for size in prefill_graph_sizes(manager.compilation_config.cudagraph_capture_sizes):
-        candidates = manager._candidates.get((size, 0))  # one list for the sizes up to it
-        if candidates is None:
+    sizes = prefill_graph_sizes(manager.compilation_config.cudagraph_capture_sizes)
+    added, seen = {}, set()
+    for (_, loras), candidates in manager._candidates.items():
+        if loras or id(candidates) in seen:
+            continue  # with LoRA adapters a question runs piecewise
+        seen.add(id(candidates))
+        at, piecewise = next(((i, d) for i, d in enumerate(candidates)
+                              if d.cg_mode == CUDAGraphMode.PIECEWISE), (None, None))
+        if piecewise is None or piecewise.num_tokens not in sizes:
             continue
-        desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, num_tokens=size, num_reqs=1)
-        first_piecewise = next((i for i, d in enumerate(candidates)
-                                if d.cg_mode != CUDAGraphMode.FULL), len(candidates))
-        candidates.insert(first_piecewise, desc)
-        added.append(desc)
+        size = piecewise.num_tokens
+        desc = added.setdefault(size, BatchExecutionDescriptor(
+            CUDAGraphMode.FULL, num_tokens=size, num_reqs=1))
+        candidates.insert(at, desc)
     if added:
         full = manager._capture_descs.setdefault(CUDAGraphMode.FULL, [])
-        full.extend(added)
+        full.extend(added.values())
         full.sort(key=lambda d: d.num_tokens, reverse=True)  # as vLLM orders its own
-    manager.minipic_prefill_descs = frozenset(added)
+    manager.minipic_prefill_descs = frozenset(added.values())
 
 
 def _note_host_prompts(runner, scheduler_output) -> None:

@@ -105,9 +105,9 @@ class SpanBatchBuilder:
 
     # Whether the base backend can attend span batches as FlashAttention rows.
     has_flash_rows: ClassVar[bool] = False
-    full_graphs = False  # uniform decode steps replay full graphs (set in __init__)
+    full_graphs = False  # full graphs of the rows: decode steps, questions (set in __init__)
     short_prefills_on_kernel = False  # span_attention "auto" (set in __init__)
-    graph_tokens = 0  # the largest prefill batch that replays CUDA graphs (set in __init__)
+    graph_tokens = 0  # the largest prefill batch that replays piecewise graphs (__init__)
     graph_rows: GraphRows | None = None  # made at the first graph step
     graph_max_prefill = 0  # the largest prefill graph's tokens (set in __init__)
     _capturing = False  # build() runs for a full graph's capture
@@ -160,7 +160,7 @@ class SpanBatchBuilder:
                                       vllm_config.compilation_config.max_cudagraph_capture_size
                                       or vllm_config.scheduler_config.max_num_seqs)
             self.graph_max_seqlen_k = vllm_config.model_config.max_model_len
-            if prefill_graphs(vllm_config):
+            if prefill_graphs(vllm_config):  # whatever the mode vLLM resolves later
                 self.graph_max_prefill = max(prefill_graph_sizes(
                     vllm_config.compilation_config.cudagraph_capture_sizes), default=0)
 
@@ -235,6 +235,9 @@ class SpanBatchBuilder:
             plan = prefill_plan(layout, query_start_loc, seq_lens) or segment_plan(
                 layout.to("cpu"), query_start_loc, seq_lens, self.block_size, link_shifts=True)
             key_turns = key_turn_backs(layout, query_start_loc, seq_lens, self.block_size)
+        elif real_reqs and shape.prefill:  # a plain batch is one query per request
+            raise RuntimeError("minipic: a prefill graph step without spans (the dispatch "
+                               "check sends those to the piecewise graphs)")
         metadata.minipic_rows, metadata.minipic_key_turn = self.graph_rows.fill(
             shape, plan, seq_lens, key_turns, m.block_table_tensor, self.block_size,
             rope.cos_sin(self.device))
@@ -484,6 +487,20 @@ def _full_decode_graphs(vllm_config, head_size: int) -> bool:
             and vllm_config.parallel_config.data_parallel_size == 1
             and vllm_config.speculative_config is None
             and _flash_attention_version(head_size) == 3)
+
+
+def prefill_graphs_wanted(vllm_config, cudagraph_mode) -> bool:
+    """Whether minipic captures prefill graphs (graph_dispatch.py): option
+    `prefill_graphs`, full decode graphs of the rows (_full_decode_graphs) and piecewise
+    graphs for the rest: vLLM's default mode FULL_AND_PIECEWISE (`cudagraph_mode`, as
+    vLLM resolved it)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from minipic.config import prefill_graphs
+
+    return (prefill_graphs(vllm_config) and cudagraph_mode.decode_mode() == CUDAGraphMode.FULL
+            and cudagraph_mode.mixed_mode() == CUDAGraphMode.PIECEWISE
+            and _full_decode_graphs(vllm_config, vllm_config.model_config.get_head_size()))
 
 
 def _flash_attention_version(head_size: int) -> int | None:

@@ -19,9 +19,11 @@ earlier_capacity(B, kind), runs without the full graph (graph_dispatch.py). A pl
 here (a capture, a dummy run) is its own rows alone, turned by 0.
 
 Memory: the row tables are int32 [rows, max_model_len / block_size] per builder, rows the
-larger of the two kinds' B + earlier_capacity(B) at their largest B (17 MB at 256
-requests and 8k tokens, 554 MB at 512 and 128k), made at the first capture, after vLLM
-sized the KV cache: they come out of its headroom.
+larger of the two kinds' largest B plus the larger of their earlier capacities (17 MB at
+256 requests and 8k tokens, 554 MB at 512 and 128k; prefill graphs, at most 128 tokens,
+hold 8192 earlier row tokens, as many as decode graphs of 256 requests: 273 MB at 16
+requests and 128k), made at the first capture, after vLLM sized the KV cache: they come
+out of its headroom.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ GRAPH_EARLIER_TOKENS_MAX = 32768
 def earlier_capacity(rows: int, prefill: bool = False) -> int:
     """Earlier row tokens of a graph of `rows` own rows: a decode graph's (rows requests)
     or, `prefill`, a prefill graph's (one request, rows query tokens)."""
-    per_row = GRAPH_EARLIER_TOKENS_PER_QUESTION_TOKEN if prefill else GRAPH_EARLIER_TOKENS_PER_REQUEST
+    per_row = (GRAPH_EARLIER_TOKENS_PER_QUESTION_TOKEN if prefill
+               else GRAPH_EARLIER_TOKENS_PER_REQUEST)
     return min(rows * per_row, GRAPH_EARLIER_TOKENS_MAX)
 
 
@@ -104,6 +107,9 @@ class GraphRows:
         len(seq_lens) decode requests) and its new keys' turns (`key_turns` [real tokens]
         on the host, None: all 0). Returns the SegmentBatch and the key Rotation over the
         buffers, for every step."""
+        if shape.tokens > self.seqused_k.numel():
+            raise RuntimeError(f"minipic: a CUDA graph of {shape} is larger than the row "
+                               f"buffers ({self.seqused_k.numel()} row tokens)")
         host = _graph_rows(shape, plan, seq_lens, key_turns, block_table.shape[1], block_size)
         self._write(host, block_table, cos_sin)
         return self._batch(shape), Rotation(self.key_cos[: shape.rows],

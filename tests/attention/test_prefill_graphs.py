@@ -76,26 +76,38 @@ def _descs():
     return cudagraph_utils.BatchExecutionDescriptor, CUDAGraphMode
 
 
-def test_prefill_graphs_are_added_before_the_piecewise_ones():
+@pytest.mark.parametrize("shared", [True, False], ids=["a_list_per_size", "a_list_per_count"])
+def test_prefill_graphs_are_added_before_the_piecewise_ones(shared):
     """At each capture size from 2 to PREFILL_GRAPH_TOKENS_MAX, one request's full graph,
-    tried after vLLM's decode graph and before its piecewise graph, and captured."""
+    tried after vLLM's decode graph and before its piecewise graph, for every token count
+    that piecewise graph serves (vLLM 0.25 shares one candidate list between them, later
+    releases give each count its own), and captured once."""
     from minipic import _vllm_patches
 
     desc, mode = _descs()
     sizes = [1, 2, 8, 24, 256]
+
+    def candidates(size):
+        return [desc(mode.FULL, size, size, uniform_token_count=1),
+                desc(mode.PIECEWISE, size, None)]
+
+    lists = {s: candidates(s) for s in sizes}
+    counts = {count: next(s for s in sizes if s >= count) for count in range(1, 257)}
     manager = SimpleNamespace(
         compilation_config=SimpleNamespace(cudagraph_capture_sizes=sizes),
-        _candidates={(s, 0): [desc(mode.FULL, s, s, uniform_token_count=1),
-                              desc(mode.PIECEWISE, s, None)] for s in sizes},
+        _candidates={(count, 0): lists[size] if shared else candidates(size)
+                     for count, size in counts.items()},
         _capture_descs={mode.FULL: [desc(mode.FULL, s, s, uniform_token_count=1)
                                     for s in reversed(sizes)]})
     _vllm_patches._add_prefill_graphs(manager)
     prefill = {d.num_tokens: d for d in manager.minipic_prefill_descs}
     assert sorted(prefill) == [2, 8, 24]  # not 1 (a decode), not past the maximum
-    for s in sizes:
-        kinds = [(d.cg_mode, d.num_reqs) for d in manager._candidates[(s, 0)]]
-        middle = [(mode.FULL, 1)] if s in prefill else []
-        assert kinds == [(mode.FULL, s), *middle, (mode.PIECEWISE, None)]
+    for count, size in counts.items():
+        kinds = [(d.cg_mode, d.num_reqs) for d in manager._candidates[(count, 0)]]
+        middle = [(mode.FULL, 1)] if size in prefill else []
+        assert kinds == [(mode.FULL, size), *middle, (mode.PIECEWISE, None)], count
+        if size in prefill:  # the one graph of that size
+            assert manager._candidates[(count, 0)][1] is prefill[size]
     captured = [d.num_tokens for d in manager._capture_descs[mode.FULL]]
     assert captured == sorted(captured, reverse=True) and len(captured) == len(sizes) + 3
 
@@ -135,6 +147,11 @@ def test_the_dispatch_patch_replays_a_prefill_graph_only_for_a_span_question(run
     assert step({"r0": QUESTION}) == (mode.FULL, 1)
     assert step({"r1": QUESTION}) == (mode.PIECEWISE, None)  # no spans
     assert step({"r0": QUESTION}, dummy_run=True) == (mode.FULL, 0)
+    # a decode of a plain prompt (stock attention) finds a decode graph, which the check
+    # refuses: the piecewise graph, never the prefill graph after it, which nothing fills
+    decode = desc(mode.FULL, 24, 24, uniform_token_count=1)
+    manager._candidates[(1, 0)] = [decode, prefill, piecewise]
+    assert step({"r1": 1}) == (mode.PIECEWISE, None)
 
 
 @pytest.mark.parametrize("option, mode, wanted", [
@@ -144,7 +161,6 @@ def test_the_dispatch_patch_replays_a_prefill_graph_only_for_a_span_question(run
     (True, "FULL_DECODE_ONLY", False)])  # prefills eager: nothing to replay them among
 def test_prefill_graphs_are_captured_only_when_asked_for_in_the_default_mode(
         monkeypatch, option, mode, wanted):
-    from minipic import _vllm_patches
     from minipic.attention import cuda_backend
 
     _, modes = _descs()
@@ -152,4 +168,4 @@ def test_prefill_graphs_are_captured_only_when_asked_for_in_the_default_mode(
     config = SimpleNamespace(
         kv_transfer_config=None, model_config=SimpleNamespace(get_head_size=lambda: 128),
         additional_config={"minipic": {"prefill_graphs": option}})
-    assert _vllm_patches._prefill_graphs_wanted(config, getattr(modes, mode)) is wanted
+    assert cuda_backend.prefill_graphs_wanted(config, getattr(modes, mode)) is wanted

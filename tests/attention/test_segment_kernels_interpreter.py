@@ -110,8 +110,9 @@ def _graph_errors(kwargs: dict) -> dict[str, float]:
     table = torch.zeros(padded, case.block_table.shape[1], dtype=case.block_table.dtype)
     table[:n] = case.block_table
     rows = GraphRows(padded, 0, table.shape[1], 4096, case.rotary_dim, case.is_neox,
-                           torch.device("cpu"))
-    batch, _ = rows.fill(GraphShape(padded), plan, case.seq_lens.tolist(), None, table, 16, case.cos_sin)
+                     torch.device("cpu"))
+    batch, _ = rows.fill(GraphShape(padded), plan, case.seq_lens.tolist(), None, table, 16,
+                         case.cos_sin)
     q = torch.cat([case.q, torch.randn(2, *case.q.shape[1:]).to(case.q.dtype)])
     used = int(batch.turn_count)
     by_kernel, _ = turn_rows_and_keys(q, batch.turn_index, batch.turn.cos, batch.turn.sin,
