@@ -367,7 +367,7 @@ def test_span_prompts_on_flash_rows_match_the_span_kernel(runs, run):
     paths = runs[run]["span_paths"]
     assert paths["rows"] > 0
     # the hit alone: eager on the kernel, compiled in a prefill graph (on the rows)
-    assert (paths["kernel"] > 0) == (run == "on_eager")
+    assert paths["kernel"] > 0 or run == "on_compiled"
     assert (paths["graph_prefill_steps"] > 0) == (run == "on_compiled")
     assert runs["on_spans_triton"]["span_paths"]["rows"] == 0
     assert runs["on_spans_triton"]["span_paths"]["kernel"] > 0
