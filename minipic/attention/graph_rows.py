@@ -107,9 +107,10 @@ class GraphRows:
         len(seq_lens) decode requests) and its new keys' turns (`key_turns` [real tokens]
         on the host, None: all 0). Returns the SegmentBatch and the key Rotation over the
         buffers, for every step."""
-        if shape.tokens > self.seqused_k.numel():
+        own, earlier = self.key_cos.shape[0], self.merge_entries.numel()
+        if shape.rows > own or shape.earlier > earlier:
             raise RuntimeError(f"minipic: a CUDA graph of {shape} is larger than the row "
-                               f"buffers ({self.seqused_k.numel()} row tokens)")
+                               f"buffers ({own} own rows, {earlier} earlier row tokens)")
         host = _graph_rows(shape, plan, seq_lens, key_turns, block_table.shape[1], block_size)
         self._write(host, block_table, cos_sin)
         return self._batch(shape), Rotation(self.key_cos[: shape.rows],
@@ -182,8 +183,7 @@ def _graph_rows(shape: GraphShape, plan: SegmentPlan | None, seq_lens: list[int]
                 key_turns: torch.Tensor | None, table_width: int, block_size: int
                 ) -> _GraphRows:
     """The plan's rows in the graph's order: B own rows, the earlier rows, empty rows."""
-    rows = _one_query_rows(plan, seq_lens, table_width, block_size)
-    n = len(seq_lens) if plan is None else plan.own.query_index.numel()  # own rows in use
+    rows, n = _one_query_rows(plan, seq_lens, table_width, block_size)
     b, capacity, tokens = shape.rows, shape.earlier, shape.tokens  # tokens: as many rows
     cu = rows.cu_seqlens_q.numpy().astype(np.int64)
     earlier_rows, earlier_tokens = rows.seqused_k.numel() - n, int(cu[-1]) - n
@@ -225,10 +225,10 @@ def _graph_rows(shape: GraphShape, plan: SegmentPlan | None, seq_lens: list[int]
 
 
 def _one_query_rows(plan: SegmentPlan | None, seq_lens: list[int], table_width: int,
-                    block_size: int) -> FlashRows:
-    """The batch's rows as one call, its n own rows first, one query each: the plan's
-    joint rows (a prefill's own rows go one query each there too) or its own rows (a
-    decode batch's, without earlier rows); a plain decode batch's own rows (each
+                    block_size: int) -> tuple[FlashRows, int]:
+    """The batch's rows as one call, its n own rows first, one query each, and n: the
+    plan's joint rows (a prefill's own rows go one query each there too) or its own rows
+    (a decode batch's, without earlier rows); a plain decode batch's own rows (each
     request's blocks in order, turned by 0)."""
     n = len(seq_lens)
     if plan is not None:
@@ -237,12 +237,13 @@ def _one_query_rows(plan: SegmentPlan | None, seq_lens: list[int], table_width: 
         if rows is None or rows.cu_seqlens_q.numel() < n + 1 \
                 or rows.cu_seqlens_q[n].item() != n:
             raise ValueError("a graph's batch runs its own rows one query each")
-        return rows
+        return rows, n
     lens = np.asarray(seq_lens, dtype=np.int64)
     width = min(table_width, -(-int(lens.max()) // block_size) if n else 0)
-    return FlashRows(query_index=torch.arange(n), query_turn=torch.zeros(n, dtype=torch.int32),
+    rows = FlashRows(query_index=torch.arange(n), query_turn=torch.zeros(n, dtype=torch.int32),
                      cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
                      seqused_k=torch.from_numpy(lens.astype(np.int32)),
                      row_request=torch.arange(n),
                      row_blocks=torch.arange(width).expand(n, width), max_seqlen_q=1,
                      max_seqlen_k=int(lens.max()) if n else 0)
+    return rows, n
