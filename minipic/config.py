@@ -120,17 +120,19 @@ def span_protocol_of(vllm_config: Any):
 
 def mask_markers(vllm_config: Any) -> bool:
     """Whether attention hides marker and padding keys (option `mask_markers`)."""
-    value = (minipic_options(vllm_config) or {}).get("mask_markers", False)
-    if not isinstance(value, bool):
-        raise ValueError(f"{CONFIG_KEY}.mask_markers must be true or false, got {value!r}")
-    return value
+    return _switch(vllm_config, "mask_markers")
 
 
 def prefill_graphs(vllm_config: Any) -> bool:
     """Whether a span hit's question replays a full CUDA graph (option `prefill_graphs`)."""
-    value = (minipic_options(vllm_config) or {}).get("prefill_graphs", False)
+    return _switch(vllm_config, "prefill_graphs")
+
+
+def _switch(vllm_config: Any, option: str) -> bool:
+    """A true/false option, false unless given ("yes" or 1 is refused, not read as true)."""
+    value = (minipic_options(vllm_config) or {}).get(option, False)
     if not isinstance(value, bool):
-        raise ValueError(f"{CONFIG_KEY}.prefill_graphs must be true or false, got {value!r}")
+        raise ValueError(f"{CONFIG_KEY}.{option} must be true or false, got {value!r}")
     return value
 
 
