@@ -158,9 +158,13 @@ class GraphRows:
         plan = SegmentPlan(joint, earlier, self.merge_starts[: rows + 1],
                            self.merge_entries[: shape.earlier], joint)
         turn = Rotation(self.cos[:tokens], self.sin[:tokens], self.rotary_dim, self.is_neox_style)
+        # No launch cache: it would hold its last layer's tensors (the turned queries,
+        # FlashAttention's output: 16.5 kB a row token on an 8B model) while vLLM keeps the
+        # metadata, every graph's through the whole capture, and the graph pool keeps what
+        # a capture held. A replay launches nothing from Python.
         return SegmentBatch(plan, None, None, self.table[:tokens], self.query_index[:tokens],
                             turn, True, self.rotary_dim, self.is_neox_style,
-                            turn_count=self.rows_in_use)
+                            turn_count=self.rows_in_use, launches=None)
 
 
 @dataclasses.dataclass

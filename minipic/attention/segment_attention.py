@@ -54,8 +54,9 @@ class SegmentBatch:
     # rows are in use (the rest are capacity); None: all are.
     turn_count: torch.Tensor | None = None
     # The turn's and the merge's launches, bound once for every layer (CUDA:
-    # segment_kernels.RepeatedLaunch)
-    launches: dict = dataclasses.field(default_factory=dict)
+    # segment_kernels.RepeatedLaunch); None: each launch binds its own (a full graph's
+    # batch, see graph_rows.GraphRows._batch)
+    launches: dict | None = dataclasses.field(default_factory=dict)
 
 
 def prepare(host_plan: SegmentPlan, block_table: torch.Tensor, cos_sin: torch.Tensor,

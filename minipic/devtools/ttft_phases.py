@@ -363,7 +363,8 @@ def run_child(phase: Phase, child: Path) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        print(f"phase {phase.name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        # the whole log: an engine's root cause (an OOM in its core) lies far above the end
+        print(f"phase {phase.name} failed:\n{proc.stderr}", file=sys.stderr)
         return {"phase": phase.name, "error": proc.stderr[-3000:]}
     return json.loads(lines[-1][len("RESULT "):])
 
