@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from minipic.devtools.llama3_8b import MARKERS, write_config
+from minipic.devtools.plugin_site import REPO, plugin_env
 
 torch = pytest.importorskip("torch")
 
@@ -38,7 +39,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
 MINIPIC = {"minipic": MARKERS}
 PROMPT_LENS = [600, 1500, 37, 3000]  # the 3000-token prompt is prefilled in chunks
 SHARED_PREFIX = 512  # prompts 1 and 3 start like prompt 0: cached-prefix attention
@@ -216,15 +216,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     model_dir = root / "llama3-8b-shaped"
     model_dir.mkdir()
     write_config(model_dir)
-    # The entry point `pip install minipic` would create, for the child's vLLM to find.
-    dist = root / "site" / "minipic-0.1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: minipic\nVersion: 0.1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nminipic = minipic.plugin:register\n")
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(root / "site"), str(REPO),
-                                           os.environ.get("PYTHONPATH", "")]))
+    env = plugin_env(root)
     report = os.environ.get("MINIPIC_E2E_REPORT")  # optional: where to keep the numbers
     results = {}
     # MINIPIC_E2E_RUNS=a,b limits the engines started (each costs about a minute).
