@@ -10,9 +10,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def plugin_env(root: Path, **extra: str) -> dict[str, str]:
+def plugin_env(root: Path) -> dict[str, str]:
     """The environment for such a child: an entry point written under `root`, the engine
-    in-process (the child can patch and count what runs) and no model hub, plus `extra`."""
+    in-process (the child can patch and count what runs) and no model hub."""
     dist = root / "site" / "minipic-0.1.0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: minipic\nVersion: 0.1.0\n")
@@ -20,4 +20,4 @@ def plugin_env(root: Path, **extra: str) -> dict[str, str]:
         "[vllm.general_plugins]\nminipic = minipic.plugin:register\n")
     return dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                 PYTHONPATH=os.pathsep.join([str(root / "site"), str(REPO),
-                                            os.environ.get("PYTHONPATH", "")]), **extra)
+                                            os.environ.get("PYTHONPATH", "")]))

@@ -90,9 +90,7 @@ def test_a_plain_batch_in_the_graph_is_causal_attention():
 
 def test_a_graph_batch_binds_no_launches_that_outlive_its_step():
     """vLLM keeps every graph's metadata until the whole capture ends: a launch cache in
-    its batch would hold the last layer's turned queries and FlashAttention output for
-    each graph at once, past the memory share vLLM sized the KV cache by (an 8B model's
-    start-up with prefill graphs ran out of GPU memory, 11.8 GiB past its share)."""
+    its batch would hold each graph's last-layer tensors at once (GraphRows._batch)."""
     case = make_case([1, 1], [70, 200], num_q_heads=4, num_kv_heads=2, head_size=32,
                      dtype=torch.float32)
     _, batch = graph_attention(case, None, 2 + PADDING)

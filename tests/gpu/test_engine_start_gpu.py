@@ -1,13 +1,10 @@
-"""A compiled engine at vLLM's defaults (memory share 0.9, vLLM's capture sizes and request
-limit) starts on a Llama-3-8B-shaped model with minipic's full graphs, prefill graphs on,
-and serves a span hit.
+"""A compiled engine at vLLM's defaults (memory share 0.9, context length, capture sizes
+and request limit) starts on a Llama-3-8B-shaped model with minipic's full graphs, prefill
+graphs on, and serves a span hit, its question from a prefill graph.
 
-Model Runner V2 does not profile CUDA graph memory: everything the capture keeps comes out
-of the tenth vLLM leaves beside its share (8 GiB on an 80 GB card). A graph's batch once
-held its last layer's turned queries and FlashAttention output through the whole capture
-(about 16.5 kB a row token on this model, for each of the decode and prefill graphs): with
-prefill graphs, an 8B engine's start-up ran out of GPU memory 11.8 GiB past a 0.85 share
-(docs/benchmarks.md).
+Model Runner V2 does not profile CUDA graph memory: what the capture keeps comes out of the
+tenth of the card vLLM leaves beside its share (7.9 GiB on an H100), and once ran past it
+(docs/benchmarks.md, "Span hit TTFT").
 """
 
 from __future__ import annotations
@@ -37,24 +34,36 @@ def _child(model_dir: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from minipic.attention import graph_rows
     from minipic.client.prompts.recipes import RECIPES_BY_NAME
     from minipic.protocol import SpanProtocol
 
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=16384, seed=0,
+              dtype="bfloat16", seed=0,
               additional_config={"minipic": {**MARKERS, "prefill_graphs": True}})
+    prefill_graph_steps = 0
+    fill = graph_rows.GraphRows.fill
+
+    def counted_fill(self, shape, plan, *args, **kwargs):  # the engine runs in this process
+        nonlocal prefill_graph_steps
+        prefill_graph_steps += plan is not None and shape.prefill
+        return fill(self, shape, plan, *args, **kwargs)
+
+    graph_rows.GraphRows.fill = counted_fill
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 128000, (n,), generator=gen).tolist() for n in (900, 700, 1100)]
     question = torch.randint(0, 128000, (40,), generator=gen).tolist()
     prompt = RECIPES_BY_NAME["block_attention"](docs, question, protocol=SpanProtocol(**MARKERS),
                                                 block_size=BLOCK_SIZE)
-    params = SamplingParams(temperature=0.0, max_tokens=4, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in prompt.span_prefills], params,
                  use_tqdm=False)
+    before_hit = prefill_graph_steps
     hit = llm.generate([TokensPrompt(prompt_token_ids=prompt.final)], params, use_tqdm=False)[0]
     Path(out_path).write_text(json.dumps({
         "cached_tokens": hit.num_cached_tokens, "expected": prompt.expected_cached_tokens,
-        "tokens": list(hit.outputs[0].token_ids)}))
+        "tokens": list(hit.outputs[0].token_ids),
+        "hit_prefill_graph_steps": prefill_graph_steps - before_hit}))
 
 
 if __name__ == "__main__":
@@ -72,3 +81,4 @@ def test_a_compiled_engine_at_vllms_defaults_starts_and_serves_a_hit(tmp_path):
     result = json.loads(out.read_text())
     assert result["cached_tokens"] == result["expected"], result
     assert len(result["tokens"]) == 4, result
+    assert result["hit_prefill_graph_steps"] == 1, result  # its 41 computed tokens: one step
