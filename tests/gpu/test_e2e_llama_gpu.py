@@ -31,6 +31,7 @@ import pytest
 
 from minipic.devtools.llama3_8b import MARKERS, write_config
 from minipic.devtools.plugin_site import REPO, plugin_env
+from minipic.devtools.span_paths import count_span_paths
 
 torch = pytest.importorskip("torch")
 
@@ -128,44 +129,10 @@ def _child(run: str, model_dir: str, out_path: str) -> None:
     for label, params in (("first", first), ("cached", again)):
         result[label] = [_answer(o) for o in llm.generate(prompts, params, use_tqdm=False)]
     if "additional_config" in RUNS[run]:
-        calls = _count_span_paths()
+        calls = count_span_paths()
         result["spans"] = _span_answers(llm, first, again)
         result["span_paths"] = dict(calls)
     Path(out_path).write_text(json.dumps(result))
-
-
-def _count_span_paths() -> dict:
-    """Count the layer calls of each span path, and the batches whose plans share rows
-    between requests (the engine runs in this process)."""
-    from minipic.attention import cuda_backend, graph_rows, segment_plan
-
-    calls = {"rows": 0, "kernel": 0, "shared_plans": 0, "graph_span_steps": 0,
-             "graph_prefill_steps": 0}
-    fill = graph_rows.GraphRows.fill
-
-    def counted_fill(self, shape, plan, *args, **kwargs):
-        calls["graph_span_steps"] += plan is not None  # a full graph replayed a span batch
-        calls["graph_prefill_steps"] += plan is not None and shape.prefill  # a question
-        return fill(self, shape, plan, *args, **kwargs)
-
-    graph_rows.GraphRows.fill = counted_fill
-    for name, path in (("segment_attention", "rows"), ("unified_attention_rope", "kernel")):
-        original = getattr(cuda_backend, name)
-
-        def counted(*args, _original=original, _path=path, **kwargs):
-            calls[_path] += 1
-            return _original(*args, **kwargs)
-
-        setattr(cuda_backend, name, counted)
-    shared = segment_plan._shared
-
-    def counted_shared(rows, *args, **kwargs):
-        merged = shared(rows, *args, **kwargs)
-        calls["shared_plans"] += merged.row_request.size < rows.row_request.size
-        return merged
-
-    segment_plan._shared = counted_shared
-    return calls
 
 
 def _span_answers(llm, with_prompt_logprobs, without) -> dict:

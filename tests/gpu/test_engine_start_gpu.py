@@ -18,6 +18,7 @@ import pytest
 
 from minipic.devtools.llama3_8b import MARKERS, write_config
 from minipic.devtools.plugin_site import REPO, plugin_env
+from minipic.devtools.span_paths import count_span_paths
 
 torch = pytest.importorskip("torch")
 
@@ -34,22 +35,13 @@ def _child(model_dir: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from minipic.attention import graph_rows
     from minipic.client.prompts.recipes import RECIPES_BY_NAME
     from minipic.protocol import SpanProtocol
 
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", seed=0,
               additional_config={"minipic": {**MARKERS, "prefill_graphs": True}})
-    prefill_graph_steps = 0
-    fill = graph_rows.GraphRows.fill
-
-    def counted_fill(self, shape, plan, *args, **kwargs):  # the engine runs in this process
-        nonlocal prefill_graph_steps
-        prefill_graph_steps += plan is not None and shape.prefill
-        return fill(self, shape, plan, *args, **kwargs)
-
-    graph_rows.GraphRows.fill = counted_fill
+    calls = count_span_paths()
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 128000, (n,), generator=gen).tolist() for n in (900, 700, 1100)]
     question = torch.randint(0, 128000, (40,), generator=gen).tolist()
@@ -58,12 +50,12 @@ def _child(model_dir: str, out_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in prompt.span_prefills], params,
                  use_tqdm=False)
-    before_hit = prefill_graph_steps
+    before_hit = calls["graph_prefill_steps"]
     hit = llm.generate([TokensPrompt(prompt_token_ids=prompt.final)], params, use_tqdm=False)[0]
     Path(out_path).write_text(json.dumps({
         "cached_tokens": hit.num_cached_tokens, "expected": prompt.expected_cached_tokens,
         "tokens": list(hit.outputs[0].token_ids),
-        "hit_prefill_graph_steps": prefill_graph_steps - before_hit}))
+        "hit_prefill_graph_steps": calls["graph_prefill_steps"] - before_hit}))
 
 
 if __name__ == "__main__":
